@@ -1,0 +1,1 @@
+"""Shared runtime: knows nothing about any model."""

@@ -1,0 +1,132 @@
+"""The options every proxy shares, and the error discipline.
+
+Bad input is one line on stderr from rank 0 and exit status 2 on every rank: never a hang,
+never one traceback per rank. Parsing happens before MPI starts (and `--dry-run` never
+starts it), so the rank comes from the launcher's environment here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+COMPUTE_MODES = ("real", "replay", "model", "none")
+ALLREDUCE_ALGS = ("mpi",)
+
+# Launchers export the world rank under different names; MPI itself is not started yet.
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
+
+
+class UsageError(Exception):
+    """Bad input: shown once by rank 0, exit status 2."""
+
+
+def env_rank() -> int:
+    for var in RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def say(msg: str, *, file=sys.stderr) -> None:
+    """Print on rank 0 only."""
+    if env_rank() == 0:
+        print(msg, file=file, flush=True)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage on every rank."""
+
+    def error(self, message: str):  # noqa: D102
+        raise UsageError(message)
+
+    def print_help(self, file=None):  # noqa: D102
+        if env_rank() == 0:
+            super().print_help(file)
+
+
+def _int_type(minimum: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_type(1, "a positive integer")
+nonneg_int = _int_type(0, "a non-negative integer")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def add_common(p: argparse.ArgumentParser, *, iters: int = 5, warmup: int = 2) -> None:
+    g = p.add_argument_group("common proxy options")
+    g.add_argument("--iters", type=positive_int, default=iters,
+                   help=f"timed iterations (default {iters})")
+    g.add_argument("--warmup", type=nonneg_int, default=warmup,
+                   help=f"untimed iterations before them (default {warmup})")
+    g.add_argument("--compute", choices=COMPUTE_MODES, default="real",
+                   help="real: run the NumPy kernels every micro-batch; replay: time each "
+                        "compute op with the real kernels once, ranks on a node taking turns, "
+                        "then sleep those times (one-device-per-rank timing on few cores); "
+                        "model: sleep FLOPs / --device-tflops; none: communication only "
+                        "(default real)")
+    g.add_argument("--device-tflops", type=positive_float, default=150.0, metavar="TFLOPS",
+                   help="achieved device rate for --compute model, in TFLOP/s (default 150: "
+                        "about half an A100's 312 bf16 peak)")
+    g.add_argument("--allreduce", choices=ALLREDUCE_ALGS, default="mpi",
+                   help="allreduce algorithm for gradients (default mpi: the library's own)")
+    g.add_argument("--seed", type=nonneg_int, default=0,
+                   help="seed for weights and synthetic data (default 0)")
+    g.add_argument("--check", action="store_true",
+                   help="verify every received message against the sender's checksum and "
+                        "every reduced buffer against the sum of its inputs (adds small "
+                        "messages: do not time with it)")
+    g.add_argument("--json", metavar="PATH",
+                   help="write the results as one JSON object to PATH (rank 0)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print and validate the plan of one iteration per rank, without MPI")
+    g.add_argument("--world-size", type=positive_int, metavar="N",
+                   help="with --dry-run: plan for N ranks (default: the launcher's size, or 1)")
+    g.add_argument("--show-ranks", metavar="LIST",
+                   help="with --dry-run: ranks whose ops are listed, e.g. 0,5,7 or all "
+                        "(default: all up to 16 ranks, else the first rank of each stage)")
+    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="watchdog: abort with a diagnosis when a rank makes no progress for "
+                        "this long (default 300; 0 disables)")
+    g.add_argument("--quiet", action="store_true", help="print only the summary line")
+
+
+def env_world_size() -> int | None:
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PALS_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def run_main(prog: str, main: Callable[[list[str] | None], int | None],
+             argv: list[str] | None = None) -> None:
+    """Run a proxy's main: UsageError -> one line from rank 0, exit 2."""
+    try:
+        code = main(argv)
+    except UsageError as e:
+        say(f"{prog}: error: {e}")
+        sys.exit(2)
+    sys.exit(code or 0)

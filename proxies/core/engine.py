@@ -1,0 +1,273 @@
+"""Executes a Plan with mpi4py's buffer API and times every op.
+
+Where time goes, per iteration and rank:
+- compute: Compute ops (real kernels, replayed sleeps, or modelled sleeps);
+- <category> of a P2P batch (e.g. "pp"): posting the sends, receiving, completing the sends;
+- <category> of a collective (e.g. "dp_allreduce"): the collective itself, as the group's
+  fastest member saw it (the last to arrive waits least);
+- idle: waiting for a peer. For a receive, the time until the message is there at all
+  (MPI_Mprobe returns): the pipeline bubble. For a collective, the time beyond the group's
+  fastest member: waiting for stragglers. Both are measured, not modelled;
+- overhead: the rest of the iteration (the engine's own Python between ops).
+
+Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
+split from the transfer; sends are Isend and complete with their batch, so a batch
+(Megatron's batch_isend_irecv) can never deadlock against its mirror image.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from proxies.core.plan import Collective, Compute, Msg, P2P, Plan, Wait
+
+# Largest count per MPI call: MPI counts are C ints (2^31 - 1), so longer messages go as
+# consecutive pieces on the same tag (MPI keeps their order).
+MAX_COUNT = 1 << 30
+
+
+class CheckError(RuntimeError):
+    """--check found a message or reduction that is not what it must be."""
+
+
+class Runtime(Protocol):
+    """What a proxy gives the engine: buffers by name and the real compute."""
+
+    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray: ...
+
+    def compute(self, op: Compute, iteration: int) -> None: ...
+
+    def finish_iteration(self, iteration: int) -> tuple[float, int]:
+        """(sum of losses, number of losses) this rank computed in the iteration."""
+        ...
+
+
+@dataclass
+class IterationTimes:
+    total: float = 0.0
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # Per blocking collective, in order: (group, category, seconds); split after the run.
+    collectives: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+def describe(op, rank: int | None = None) -> str:
+    """One line naming an op, for the watchdog and error messages."""
+    if isinstance(op, Compute):
+        return f"compute {op.name}" + (f" mb {op.mb}" if op.mb >= 0 else "")
+    if isinstance(op, P2P):
+        parts = [f"send {m.buf} mb {m.mb} to {m.peer} (tag {m.tag})" for m in op.sends]
+        parts += [f"recv {m.buf} mb {m.mb} from {m.peer} (tag {m.tag})" for m in op.recvs]
+        return f"{op.name}: " + ", ".join(parts)
+    if isinstance(op, Collective):
+        return f"{op.kind} of {op.count} x {op.dtype} over group {op.group} ({op.buf})"
+    if isinstance(op, Wait):
+        return f"wait {op.req}"
+    return repr(op)
+
+
+def _pieces(buf: np.ndarray):
+    flat = buf.reshape(-1)
+    for lo in range(0, max(flat.size, 1), MAX_COUNT):
+        yield flat[lo : lo + MAX_COUNT]
+
+
+class Engine:
+    def __init__(self, MPI, plan: Plan, runtime: Runtime, comms: dict, *, mode: str = "real",
+                 device_tflops: float = 150.0, replay: dict | None = None, check: bool = False,
+                 watchdog=None, fault: str = ""):
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.plan, self.runtime, self.comms = plan, runtime, comms
+        self.mode, self.rate = mode, device_tflops * 1e12
+        self.replay = replay or {}
+        self.check = check
+        self.check_comm = self.world.Dup() if check else None
+        self.watchdog = watchdog
+        self.fault = fault  # test hook: "corrupt", "stall" or "crash" on this rank
+        self.iteration = 0
+        self.pending: dict[str, tuple] = {}
+
+    # -- compute ---------------------------------------------------------------------------
+    def _compute(self, op: Compute) -> None:
+        if self.mode == "real":
+            self.runtime.compute(op, self.iteration)
+        elif self.mode == "replay":
+            time.sleep(self.replay.get((op.name, op.chunk), 0.0))
+        elif self.mode == "model":
+            if op.flops:
+                time.sleep(op.flops / self.rate)
+
+    # -- point to point --------------------------------------------------------------------
+    def _p2p(self, op: P2P, t: IterationTimes) -> None:
+        MPI, comm = self.MPI, self.world
+        t0 = MPI.Wtime()
+        reqs = []
+        for m in op.sends:
+            buf = self._buffer(m)
+            if self.check:
+                if self.mode != "real":
+                    self._fill(buf, m)
+                reqs.append(self.check_comm.Isend(self._checksum(buf), m.peer, m.tag))
+                if self.fault == "corrupt":
+                    buf.reshape(-1)[:1] += 1  # after the checksum: the receiver must notice
+            reqs += [comm.Isend(p, m.peer, m.tag) for p in _pieces(buf)]
+        idle = 0.0
+        for m in op.recvs:
+            buf = self._buffer(m)
+            for piece in _pieces(buf):
+                w0 = MPI.Wtime()
+                status = MPI.Status()
+                msg = comm.Mprobe(m.peer, m.tag, status)
+                idle += MPI.Wtime() - w0
+                n = status.Get_count(MPI._typedict[piece.dtype.char])
+                if n != piece.size:
+                    raise CheckError(
+                        f"rank {comm.rank} expected {piece.size} x {piece.dtype} for {m.buf} "
+                        f"mb {m.mb} from rank {m.peer} (tag {m.tag}) but the message has {n}"
+                    )
+                msg.Recv(piece)
+            if self.check:
+                self._verify_p2p(buf, m)
+        MPI.Request.Waitall(reqs)
+        t.seconds["idle"] += idle
+        t.seconds[op.category] += MPI.Wtime() - t0 - idle
+
+    def _buffer(self, m: Msg) -> np.ndarray:
+        buf = self.runtime.buffer(m.buf, m.mb, m.chunk)
+        if buf.size != m.count or buf.dtype != np.dtype(m.dtype):
+            raise CheckError(f"buffer {m.buf} mb {m.mb} is {buf.size} x {buf.dtype}, "
+                             f"the plan says {m.count} x {m.dtype}")
+        return buf
+
+    # -- collectives -----------------------------------------------------------------------
+    def _collective(self, op: Collective, t: IterationTimes) -> None:
+        MPI = self.MPI
+        comm = self.comms[op.group]
+        buf = self.runtime.buffer(op.buf, op.mb, 0)
+        if self.check and self.mode != "real":
+            self._fill(buf, op)
+        before = self._sums(buf) if self.check else None
+        if op.kind != "allreduce":
+            raise NotImplementedError(f"collective {op.kind} is not executed yet")
+        t0 = MPI.Wtime()
+        for piece in _pieces(buf):
+            comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
+        dt = MPI.Wtime() - t0
+        t.collectives.append((op.group, op.category, dt))
+        if self.check:
+            self._verify_allreduce(comm, buf, before, op)
+
+    # -- --check ---------------------------------------------------------------------------
+    def _fill(self, buf: np.ndarray, key) -> None:
+        """Without real compute, give checked buffers content that differs per message."""
+        seed = zlib.crc32(repr((self.iteration, self.world.rank, key)).encode())
+        buf[...] = np.random.default_rng(seed).standard_normal(buf.shape, dtype=np.float32)
+
+    @staticmethod
+    def _checksum(buf: np.ndarray) -> np.ndarray:
+        return np.array([zlib.crc32(memoryview(buf.reshape(-1)).cast("B")), buf.size],
+                        dtype=np.int64)
+
+    def _verify_p2p(self, buf: np.ndarray, m: Msg) -> None:
+        want = np.empty(2, dtype=np.int64)
+        self.check_comm.Recv(want, m.peer, m.tag)
+        got = self._checksum(buf)
+        if not np.array_equal(got, want):
+            raise CheckError(
+                f"--check: rank {self.world.rank} received {m.buf} mb {m.mb} from rank "
+                f"{m.peer} (tag {m.tag}, iteration {self.iteration}) with crc32 {got[0]:#010x}, "
+                f"the sender sent {want[0]:#010x}"
+            )
+
+    _weights: np.ndarray | None = None
+
+    def _sums(self, buf: np.ndarray) -> np.ndarray:
+        """(sum w*x, sum w*|x|) in float64 with fixed pseudo-random weights w in [0.5, 1.5)."""
+        if Engine._weights is None:
+            Engine._weights = np.random.default_rng(12345).random(1 << 20) + 0.5
+        w, flat, out = Engine._weights, buf.reshape(-1), np.zeros(2)
+        for lo in range(0, flat.size, w.size):
+            x = flat[lo : lo + w.size].astype(np.float64)
+            out += (x @ w[: x.size], np.abs(x) @ w[: x.size])
+        return out
+
+    def _verify_allreduce(self, comm, buf, before, op: Collective) -> None:
+        MPI = self.MPI
+        inputs = np.empty(2)
+        comm.Allreduce(before, inputs, op=MPI.SUM)
+        got = self._sums(buf)[0]
+        # Each output element carries at most (n-1) float32 roundings of partial sums.
+        tol = 2 * comm.size * np.finfo(np.float32).eps * inputs[1] + 1e-30
+        crcs = np.empty(comm.size, dtype=np.int64)
+        comm.Allgather(self._checksum(buf)[:1], crcs)
+        if abs(got - inputs[0]) > tol or len(set(crcs.tolist())) != 1:
+            raise CheckError(
+                f"--check: {op.kind} over {op.group} ({op.buf}, iteration {self.iteration}) on "
+                f"rank {self.world.rank}: weighted sum of the result {got:.9g}, of the inputs "
+                f"{inputs[0]:.9g} (tolerance {tol:.3g}); results identical on all "
+                f"{comm.size} ranks: {len(set(crcs.tolist())) == 1}"
+            )
+
+    # -- one iteration ---------------------------------------------------------------------
+    def run_iteration(self, iteration: int) -> IterationTimes:
+        MPI = self.MPI
+        self.iteration = iteration
+        t = IterationTimes()
+        n = len(self.plan.ops)
+        start = MPI.Wtime()
+        for i, op in enumerate(self.plan.ops):
+            if self.watchdog is not None:
+                self.watchdog.beat(f"iteration {iteration} op {i + 1}/{n}: {describe(op)}")
+            if self.fault == "stall" and isinstance(op, P2P):
+                time.sleep(1e9)
+            if self.fault == "crash" and i == n // 2:
+                raise RuntimeError("fault injected by PROXIES_FAULT")
+            t0 = MPI.Wtime()
+            if isinstance(op, Compute):
+                self._compute(op)
+                t.seconds[op.category] += MPI.Wtime() - t0
+            elif isinstance(op, P2P):
+                self._p2p(op, t)
+            elif isinstance(op, Collective):
+                if op.req:
+                    raise NotImplementedError("non-blocking collectives are not executed yet")
+                self._collective(op, t)
+            else:
+                raise NotImplementedError(f"op {op!r}")
+        t.total = MPI.Wtime() - start
+        return t
+
+
+def split_collective_waits(MPI, comms: dict, runs: list[IterationTimes]) -> None:
+    """Move each collective's wait-for-stragglers into "idle", in place.
+
+    For every collective instance, the group's smallest duration is the collective itself
+    (the last member to arrive waited least); the rest of a member's time was waiting.
+    One Allreduce(MIN) per group after the run: nothing is added inside iterations.
+    """
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for t in runs:
+        for group, _, dt in t.collectives:
+            by_group[group].append(dt)
+    core: dict[str, np.ndarray] = {}
+    for group in sorted(comms):
+        comm = comms[group]
+        if comm is None or group not in by_group:
+            continue
+        mine = np.array(by_group[group])
+        core[group] = np.empty_like(mine)
+        comm.Allreduce(mine, core[group], op=MPI.MIN)
+    cursor: dict[str, int] = defaultdict(int)
+    for t in runs:
+        for group, category, dt in t.collectives:
+            k = cursor[group]
+            cursor[group] += 1
+            fastest = float(core[group][k])
+            t.seconds[category] += fastest
+            t.seconds["idle"] += dt - fastest

@@ -1,0 +1,145 @@
+"""One training iteration of one rank, as data.
+
+A Plan is an ordered tuple of ops. The same object is executed (engine.py), printed
+(`--dry-run`), checked for deadlock and message matching without MPI (simulate.py), and
+timed op by op (the breakdown). A proxy is a function from (model, parallel config, rank)
+to a Plan.
+
+Conventions
+- Point-to-point peers are world ranks. Collectives name a group ("dp", "tp", "embed" ...);
+  `Plan.groups[name]` lists that group's world ranks, in group-rank order.
+- Buffers are named: (buf, mb) is resolved to a NumPy array by the proxy's runtime, so a
+  plan never holds data. `count` is in elements of `dtype`; Python ints, so 64-bit safe.
+- A P2P op is a batch: its sends and receives are posted together and it completes when all
+  of them have (Megatron's batch_isend_irecv). Two neighbours that exchange in the same step
+  must put both directions in one batch, or synchronous sends deadlock.
+- A Collective with `req` set is non-blocking: it starts there and completes at the Wait
+  with the same `req`. Without `req` it blocks.
+- `category` names the breakdown bucket the op's time and bytes go to ("pp", "dp_allreduce").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
+
+
+def itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Local work: a forward or backward of one micro-batch, an optimizer step ..."""
+
+    name: str  # "forward", "backward", "optimizer"
+    mb: int = -1  # micro-batch, -1 when the op is not per micro-batch
+    chunk: int = 0  # model chunk (virtual stage) for interleaved schedules
+    flops: float = 0.0  # floating-point operations, for compute=model
+    category: str = "compute"
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One side of a point-to-point message."""
+
+    peer: int  # world rank on the other side
+    tag: int
+    buf: str  # buffer name, e.g. "act" (activation) or "grad" (activation gradient)
+    mb: int  # micro-batch the buffer belongs to
+    count: int  # elements
+    dtype: str = "float32"
+    chunk: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class P2P:
+    """Sends and receives posted together and completed together."""
+
+    name: str  # "send_forward", "recv_backward", "send_forward_recv_backward" ...
+    sends: tuple[Msg, ...] = ()
+    recvs: tuple[Msg, ...] = ()
+    category: str = "pp"
+
+    @property
+    def nbytes_sent(self) -> int:
+        return sum(m.nbytes for m in self.sends)
+
+    @property
+    def nbytes_recv(self) -> int:
+        return sum(m.nbytes for m in self.recvs)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective over a named group. `count` is the whole array (nccl-tests convention)."""
+
+    kind: str  # one of COLLECTIVE_KINDS
+    group: str  # key into Plan.groups
+    buf: str
+    count: int
+    dtype: str = "float32"
+    mb: int = -1
+    req: str = ""  # non-empty: non-blocking, completed by Wait(req)
+    category: str = ""  # default: "<group>_<kind>"
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"unknown collective kind {self.kind!r}")
+        if not self.category:
+            object.__setattr__(self, "category", f"{self.group}_{self.kind}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Complete the non-blocking op started with the same `req`."""
+
+    req: str
+    category: str = ""
+
+
+Op = Compute | P2P | Collective | Wait
+
+
+@dataclass(frozen=True)
+class Plan:
+    rank: int
+    ops: tuple[Op, ...]
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)  # e.g. {"pp": 2, "dp": 1}
+
+    def messages(self):
+        """(op, msg, direction) for every point-to-point message, direction "send"/"recv"."""
+        for op in self.ops:
+            if isinstance(op, P2P):
+                for m in op.sends:
+                    yield op, m, "send"
+                for m in op.recvs:
+                    yield op, m, "recv"
+
+    def bytes_by_category(self) -> dict[str, int]:
+        """Bytes per category for one iteration of this rank.
+
+        Point-to-point: `<category>_send` and `<category>_recv`; collectives: the array size.
+        """
+        out: dict[str, int] = {}
+        for op in self.ops:
+            if isinstance(op, P2P):
+                for key, n in ((f"{op.category}_send", op.nbytes_sent),
+                               (f"{op.category}_recv", op.nbytes_recv)):
+                    if n:
+                        out[key] = out.get(key, 0) + n
+            elif isinstance(op, Collective):
+                out[op.category] = out.get(op.category, 0) + op.nbytes
+        return out

@@ -1,0 +1,139 @@
+"""Per-rank timings gathered on rank 0: the rich table and the JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+# Display order and labels; categories a proxy adds (e.g. "tp_allreduce") follow these.
+LABELS = {
+    "compute": "compute",
+    "pp": "pipeline send/recv",
+    "dp_allreduce": "data-parallel allreduce",
+    "embed_allreduce": "tied-embedding allreduce",
+    "idle": "idle (bubble, waiting for peers)",
+    "overhead": "overhead (engine, between ops)",
+}
+
+
+def ordered(categories) -> list[str]:
+    cats = set(categories)
+    head = [c for c in LABELS if c in cats and c not in ("idle", "overhead")]
+    tail = [c for c in ("idle", "overhead") if c in cats]
+    return head + sorted(cats - set(head) - set(tail)) + tail
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Combine per-rank rows ({"rank", "label", "iter_s": [...], "seconds": {cat: [...]},
+    "bytes": {cat: n}}) into the result fields of DESIGN.md."""
+    rows = sorted(rows, key=lambda r: r["rank"])
+    iters = np.array([r["iter_s"] for r in rows])  # (ranks, iterations)
+    cats = ordered({c for r in rows for c in r["seconds"]})
+    per = {c: np.array([r["seconds"].get(c, [0.0] * iters.shape[1]) for r in rows]) for c in cats}
+    byte_cats = sorted({c for r in rows for c in r["bytes"]})
+    return {
+        "iter_time_s": iters.max(axis=0).tolist(),
+        "breakdown_s": {c: per[c].mean(axis=0).tolist() for c in cats},
+        "breakdown_max_s": {c: per[c].max(axis=0).tolist() for c in cats},
+        "breakdown_per_rank_s": {c: per[c].mean(axis=1).tolist() for c in cats},
+        "bytes": {c: [int(r["bytes"].get(c, 0)) for r in rows] for c in byte_cats},
+        "rank_labels": [r["label"] for r in rows],
+    }
+
+
+def stats(values: list[float]) -> dict:
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def console():
+    """A rich console that does not squeeze tables to 80 columns when output is piped."""
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() else 160
+    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=True)
+
+
+def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
+    from rich.table import Table
+
+    out = console()
+    s = stats(result["iter_time_s"])
+    n = len(result["iter_time_s"])
+    summary = (f"time per iteration: mean {s['mean']:.4f} s, median {s['median']:.4f} s, "
+               f"min {s['min']:.4f} s, max {s['max']:.4f} s over {n} timed iterations "
+               f"(max over ranks)")
+    if quiet:
+        out.print(summary)
+        return
+    for line in header:
+        out.print(line)
+    out.print(summary)
+
+    mean_iter = s["mean"]
+    t = Table(title="where the time went, per iteration", title_justify="left")
+    t.add_column("category")
+    t.add_column("mean over ranks", justify="right")
+    t.add_column("max over ranks", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("bytes / rank (max)", justify="right")
+    byts = result["bytes"]
+    for c, values in result["breakdown_s"].items():
+        mean = statistics.fmean(values)
+        mx = max(result["breakdown_per_rank_s"][c])
+        moved = [k for k in byts if k == c or k.startswith(c + "_")]
+        btxt = ", ".join(
+            (k[len(c) + 1:] + " " if k != c else "") + human_bytes(max(byts[k])) for k in moved
+        )
+        t.add_row(LABELS.get(c, c), f"{mean:.4f} s", f"{mx:.4f} s",
+                  f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-", btxt)
+    out.print(t)
+
+    # Per rank group (e.g. pipeline stage): where imbalance and bubbles show.
+    labels = result["rank_labels"]
+    groups: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        groups.setdefault(label, []).append(i)
+    if len(groups) > 1:
+        cats = list(result["breakdown_per_rank_s"])
+        t = Table(title="per stage, mean over its ranks, seconds per iteration",
+                  title_justify="left")
+        t.add_column("ranks")
+        for c in cats:
+            t.add_column(c, justify="right")
+        for label, idx in groups.items():
+            t.add_row(label, *(f"{np.mean([result['breakdown_per_rank_s'][c][i] for i in idx]):.4f}"
+                               for c in cats))
+        out.print(t)
+    if result.get("loss"):
+        out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

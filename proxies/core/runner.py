@@ -1,0 +1,290 @@
+"""The run every proxy shares: plans -> communicators -> iterations -> report.
+
+A proxy describes itself as a Job (its plans, its runtime, how to label ranks) and hands it
+to `run` (real MPI run) or `dry_run` (plans for any world size from one process).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxies.core import cli, report, threads
+from proxies.core.engine import CheckError, Engine, describe, split_collective_waits
+from proxies.core.grid import ProcessGrid
+from proxies.core.plan import Collective, Compute, P2P, Plan
+
+
+@dataclass
+class Job:
+    prog: str  # "proxies.gpt2"
+    proxy: str  # "gpt2"
+    config: dict  # every resolved option, stored in the JSON results
+    grid: ProcessGrid
+    plan: Callable[[int], Plan]  # world rank -> one iteration of that rank
+    group_names: tuple[str, ...]  # every group any plan may name, for communicators
+    label: Callable[[int], str]  # world rank -> row label in the per-stage table
+    header: list[str] = field(default_factory=list)  # lines describing the run
+    # Built only when running: (rank, MPI, communicators, mode) -> Runtime.
+    runtime: Callable | None = None
+    # Group whose members run identical compute: replay measures on its rank 0 only.
+    replay_share: str = "dp"
+
+
+# -- dry run -------------------------------------------------------------------------------
+
+
+def dry_run(job: Job, args) -> int:
+    from rich.table import Table
+
+    from proxies.core.simulate import PlanError, simulate
+
+    world = job.grid.size
+    plans = [job.plan(r) for r in range(world)]
+    console = report.console()
+    for line in job.header:
+        console.print(line)
+
+    t = Table(title="plan of one iteration, per rank", title_justify="left")
+    for col in ("rank", "stage", "coords", "ops", "p2p msgs", "p2p sent", "p2p recv",
+                "collectives", "collective bytes"):
+        t.add_column(col, justify="right" if col not in ("stage", "coords") else "left")
+    for p in plans:
+        b = p.bytes_by_category()
+        sent = sum(v for k, v in b.items() if k.endswith("_send"))
+        recv = sum(v for k, v in b.items() if k.endswith("_recv"))
+        colls = [op for op in p.ops if isinstance(op, Collective)]
+        t.add_row(str(p.rank), job.label(p.rank), " ".join(f"{k}{v}" for k, v in p.coords.items()),
+                  str(len(p.ops)), str(sum(1 for _ in p.messages())), f"{sent:,}", f"{recv:,}",
+                  str(len(colls)), f"{sum(op.nbytes for op in colls):,}")
+    console.print(t)
+
+    for r in show_ranks(args.show_ranks, job, world):
+        t = Table(title=f"rank {r} ({job.label(r)}): ops in order", title_justify="left")
+        for col in ("#", "op", "group", "peer", "buffer", "elements", "bytes"):
+            t.add_column(col, justify="right" if col in ("#", "elements", "bytes") else "left")
+        for i, op in enumerate(plans[r].ops):
+            for row in op_rows(op):
+                t.add_row(str(i), *row)
+        console.print(t)
+
+    rate = args.device_tflops * 1e12
+    try:
+        sim = simulate(plans, cost=lambda rank, op: op.flops / rate
+                       if isinstance(op, Compute) else 0.0)
+    except PlanError as e:
+        console.print(f"[bold red]plan is invalid[/]: {e}")
+        return 1
+    nmsg = sum(1 for p in plans for _, _, d in p.messages() if d == "send")
+    busy = max(sum(op.flops for op in p.ops if isinstance(op, Compute)) for p in plans) / rate
+    console.print(
+        f"plan valid: {world} ranks, {nmsg:,} messages matched, no deadlock. Predicted "
+        f"iteration at {args.device_tflops:g} TFLOP/s with free communication: "
+        f"{sim.time:.4f} s (busiest rank computes {busy:.4f} s; the rest is pipeline bubble)"
+    )
+    if args.json:
+        report.write_json(args.json, {
+            "proxy": job.proxy, "dry_run": True, "config": job.config, "world_size": world,
+            "grid": job.grid.describe(), "predicted_iter_time_s": sim.time,
+            "bytes": {c: [p.bytes_by_category().get(c, 0) for p in plans]
+                      for c in sorted({c for p in plans for c in p.bytes_by_category()})},
+        })
+    return 0
+
+
+def op_rows(op) -> list[tuple[str, ...]]:
+    if isinstance(op, Compute):
+        name = f"{op.name}" + (f" mb {op.mb}" if op.mb >= 0 else "")
+        return [(name, "", "", "", "", f"{op.flops:.3g} flop" if op.flops else "")]
+    if isinstance(op, P2P):
+        rows = []
+        for d, msgs in (("send", op.sends), ("recv", op.recvs)):
+            for m in msgs:
+                rows.append((f"{op.name}: {d}", op.category, str(m.peer), f"{m.buf} mb {m.mb}",
+                             f"{m.count:,}", f"{m.nbytes:,}"))
+        return rows
+    if isinstance(op, Collective):
+        return [(op.kind, op.group, "", op.buf, f"{op.count:,}", f"{op.nbytes:,}")]
+    return [(describe(op), "", "", "", "", "")]
+
+
+def show_ranks(spec: str | None, job: Job, world: int) -> list[int]:
+    if spec == "all" or (spec is None and world <= 16):
+        return list(range(world))
+    if spec is None:
+        seen, ranks = set(), []
+        for r in range(world):
+            if job.label(r) not in seen:
+                seen.add(job.label(r))
+                ranks.append(r)
+        return ranks
+    try:
+        ranks = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise cli.UsageError(f"--show-ranks {spec!r}: expected 'all' or ranks like 0,3,7") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise cli.UsageError(f"--show-ranks: rank {bad[0]} is outside 0..{world - 1}")
+    return ranks
+
+
+# -- real run ------------------------------------------------------------------------------
+
+
+def communicators(MPI, plan: Plan, names: tuple[str, ...]) -> dict:
+    """One communicator per group name (None where this rank is in no such group).
+
+    Collective over the world: every rank calls Split for every name, in the same order.
+    """
+    world = MPI.COMM_WORLD
+    comms = {}
+    for name in names:
+        members = plan.groups.get(name)
+        color = min(members) if members else MPI.UNDEFINED
+        key = members.index(world.rank) if members else 0
+        comm = world.Split(color, key)
+        comms[name] = None if comm == MPI.COMM_NULL else comm
+    return comms
+
+
+def calibrate(MPI, job: Job, plan: Plan, runtime, comms: dict, watchdog) -> dict:
+    """Replay times: each compute op's duration with the real kernels, one rank at a time
+    per node when ranks outnumber cores, so contention does not inflate them. Measured on
+    rank 0 of each `replay_share` group (identical compute) and shared with the group."""
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    share = comms.get(job.replay_share)
+    measuring = share is None or share.rank == 0
+    ops = [op for op in plan.ops if isinstance(op, Compute)]
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+
+    def measure():
+        for rep in range(3):  # the first pass warms allocations and caches
+            for op in ops:
+                t0 = time.perf_counter()
+                runtime.compute(op, 0)
+                if rep:
+                    samples[(op.name, op.chunk)].append(time.perf_counter() - t0)
+
+    watchdog.beat("calibrating replay times (ranks take turns)")
+    watchdog.last = float("inf")  # turns can take long; nothing here waits on messages
+    if node.size > threads.cores_available():
+        for turn in range(node.size):
+            if node.rank == turn and measuring:
+                measure()
+            node.Barrier()
+    elif measuring:
+        measure()
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    if share is not None:
+        times = share.bcast(times, root=0)
+    node.Free()
+    watchdog.beat("calibrated")
+    return times
+
+
+def run(job: Job, args, MPI) -> int:
+    from proxies.core.mpi import Watchdog, abort_on_exception, describe as mpi_describe
+
+    world = MPI.COMM_WORLD
+    rank = world.rank
+    abort_on_exception(world, job.prog)
+    plan = job.plan(rank)
+    comms = communicators(MPI, plan, job.group_names)
+    watchdog = Watchdog(world, job.prog, args.timeout)
+    runtime = job.runtime(rank, MPI, comms, args.compute)
+    replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
+    fault = ""
+    spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
+    if spec and spec.split(":")[-1] == str(rank):
+        fault = spec.split(":")[0]
+    engine = Engine(MPI, plan, runtime, comms, mode=args.compute, device_tflops=args.device_tflops,
+                    replay=replay, check=args.check, watchdog=watchdog, fault=fault)
+
+    timed, losses = [], np.zeros((args.warmup + args.iters, 2))
+    for it in range(args.warmup + args.iters):
+        watchdog.beat(f"barrier before iteration {it}")
+        world.Barrier()
+        try:
+            t = engine.run_iteration(it)
+        except CheckError as e:
+            print(f"{job.prog}: {e}", file=sys.stderr, flush=True)
+            world.Abort(4)
+        losses[it] = runtime.finish_iteration(it)
+        if it >= args.warmup:
+            timed.append(t)
+    watchdog.beat("collecting results")
+    split_collective_waits(MPI, comms, timed)
+    for t in timed:
+        t.seconds["overhead"] = max(0.0, t.total - sum(t.seconds.values()))
+    cats = sorted({c for t in timed for c in t.seconds})
+    row = {
+        "rank": rank,
+        "label": job.label(rank),
+        "iter_s": [t.total for t in timed],
+        "seconds": {c: [t.seconds.get(c, 0.0) for t in timed] for c in cats},
+        "bytes": plan.bytes_by_category(),
+    }
+    rows = world.gather(row, root=0)
+    total_loss = np.zeros_like(losses)
+    world.Reduce(losses, total_loss, op=MPI.SUM, root=0)
+    watchdog.stop()
+    if rank != 0:
+        return 0
+
+    result = {
+        "proxy": job.proxy,
+        "config": job.config,
+        "world_size": world.size,
+        "grid": job.grid.describe(),
+        "mpi": mpi_describe(MPI),
+        "blas_threads": threads.decision[0] if threads.decision else None,
+        "timestamp": report.timestamp(),
+        **report.summarize(rows),
+    }
+    if args.compute == "real" and total_loss[:, 1].all():
+        # Mean over every sample of the global batch, warm-up iterations first.
+        result["loss"] = (total_loss[:, 0] / total_loss[:, 1]).tolist()
+    if args.compute == "replay":
+        result["replay_s"] = {f"{k[0]}/{k[1]}": v for k, v in sorted(replay.items())}
+    report.print_report(result, job.header + [run_line(result, args)], quiet=args.quiet)
+    if args.json:
+        report.write_json(args.json, result)
+    return 0
+
+
+def run_line(result: dict, args) -> str:
+    m = result["mpi"]
+    th = threads.decision
+    blas = f"BLAS threads {th[0]}/rank ({th[3]})" if th else ""
+    return (f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
+            f"thread level {m['thread_level']} · {blas} · compute {args.compute}"
+            + (" · --check on" if args.check else ""))
+
+
+def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
+    """Parse, build the job for the right world size, then dry-run or run."""
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        world = args.world_size or cli.env_world_size() or 1
+        return dry_run(job_from_args(args, world), args)
+    if args.world_size is not None:
+        raise cli.UsageError("--world-size only goes with --dry-run (a real run has mpiexec's size)")
+    from proxies.core import mpi
+
+    MPI = mpi.init()
+    # Checks that may differ between ranks (a file missing on one node) must not leave the
+    # others waiting in a collective: every rank reports, the lowest failing one prints.
+    try:
+        job, error = job_from_args(args, MPI.COMM_WORLD.size), None
+    except cli.UsageError as e:
+        job, error = None, str(e)
+    mpi.agree(MPI.COMM_WORLD, error, parser.prog)
+    return run(job, args, MPI)

@@ -1,0 +1,53 @@
+"""BLAS threads per rank, set before NumPy is imported.
+
+Oversubscribed BLAS threads ruin every timing: 32 ranks on 2 cores each starting 2 OpenBLAS
+threads spend their time context-switching. Each rank gets cores / ranks-on-this-node
+threads (at least 1) unless the user already set one of the variables below.
+"""
+
+from __future__ import annotations
+
+import os
+
+BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+
+# Launchers export the number of ranks on this node under different names.
+LOCAL_SIZE_VARS = (
+    "MPI_LOCALNRANKS",  # MPICH hydra
+    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
+    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH
+    "PALS_LOCAL_SIZE",  # Cray PALS
+    "SLURM_NTASKS_PER_NODE",
+)
+
+# What pin_blas_threads decided, for the report: (threads, ranks_on_node, cores, source).
+decision: tuple[int, int, int, str] | None = None
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def local_ranks() -> int:
+    for var in LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "").split("(")[0]  # SLURM may say "4(x2)"
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def pin_blas_threads() -> None:
+    global decision
+    cores, ranks = cores_available(), local_ranks()
+    user = next((v for v in BLAS_VARS if v in os.environ), None)
+    if user is not None:
+        threads = int(os.environ[user]) if os.environ[user].isdigit() else 0
+        decision = (threads, ranks, cores, f"user ({user})")
+        return
+    threads = max(1, cores // ranks)
+    for var in BLAS_VARS:
+        os.environ[var] = str(threads)
+    decision = (threads, ranks, cores, "cores / ranks on node")

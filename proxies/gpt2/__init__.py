@@ -1,0 +1,1 @@
+"""GPT-2: model config and parameter layout, NumPy kernels, and the pipeline x data proxy."""

@@ -1,0 +1,3 @@
+from proxies.gpt2.proxy import entry
+
+entry()

@@ -1,0 +1,257 @@
+"""The GPT-2 proxy: pipeline x data parallelism with real NumPy training.
+
+    mpirun -n 32 python -m proxies.gpt2 64 8      # 64 layers, 8 stages, DP = 32 / 8 = 4
+
+Each rank holds one stage (a contiguous run of layers; stage 0 also the embeddings, the
+last stage the final layernorm and the tied LM head) of one data-parallel replica. One
+iteration: the pipeline schedule over M micro-batches (activations forward, activation
+gradients backward), then the stage's gradients allreduced in its data-parallel group (one
+fused buffer, as the C++ proxy), then the tied token-embedding gradient summed between the
+first and last stage (Megatron's embedding group), then AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from proxies.core import cli, runner
+from proxies.core.grid import ProcessGrid
+from proxies.core.pipeline import pipeline_ops
+from proxies.core.plan import Collective, Compute, Plan
+from proxies.core.schedules import SCHEDULES
+from proxies.gpt2.config import PRESETS, GPT2Config
+from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
+
+PROG = "proxies.gpt2"
+DEFAULT_MODEL = "gpt2-tiny"
+MAX_TAG_MICROBATCHES = 16383  # pipeline tags stay below 32768, MPI's guaranteed minimum
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli.Parser(
+        prog=f"python -m {PROG}",
+        description="GPT-2 training proxy: real NumPy forward/backward per pipeline stage, real "
+        "activations and gradients over MPI, data-parallel gradient allreduce, AdamW. "
+        "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("layers", type=cli.positive_int, nargs="?", metavar="LAYERS",
+                   help="transformer layers (default: the preset's depth)")
+    p.add_argument("stages", type=cli.positive_int, nargs="?", default=1, metavar="STAGES",
+                   help="pipeline stages; data-parallel degree = world size / STAGES")
+    p.add_argument("micro_batches", type=cli.positive_int, nargs="?", default=8,
+                   metavar="MICROBATCHES", help="micro-batches per iteration per replica")
+    p.add_argument("--model", choices=sorted(PRESETS), default=DEFAULT_MODEL,
+                   help="preset widths: gpt2 is 124M (C=768), gpt2-tiny is C=64 for tests")
+    p.add_argument("--seq-len", type=cli.positive_int, default=64, metavar="T",
+                   help="tokens per sample")
+    p.add_argument("--micro-batch", type=cli.positive_int, default=1, metavar="B",
+                   help="samples per micro-batch")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="gpipe: all forwards then all backwards (the C++ proxy's order)")
+    p.add_argument("--order", default="cpp", metavar="ORDER",
+                   help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
+                        "STAGES, as the C++ proxy), megatron = dp-pp (stage = rank // DP)")
+    p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--data", metavar="FILE",
+                   help="llm.c token file (.bin); default: synthetic tokens")
+    cli.add_common(p)
+    return p
+
+
+def split_layers(L: int, pp: int) -> list[range]:
+    """Contiguous layer ranges, sizes differing by at most one; the first L % pp stages take
+    the extra layers (the last stage already carries the LM head). None is dropped."""
+    base, extra = divmod(L, pp)
+    bounds = np.cumsum([0] + [base + (s < extra) for s in range(pp)])
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def stage_params(cfg: GPT2Config, layers: range, first: bool, last: bool) -> int:
+    """Parameters held by one stage; wte is held by both the first and the last stage."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    n = len(layers) * cfg.layer_params
+    if first:
+        n += V * C + cfg.max_seq_len * C
+    if last:
+        n += 2 * C + (0 if first else V * C)
+    return n
+
+
+def stage_flops(cfg: GPT2Config, layers: range, last: bool, B: int, T: int) -> float:
+    """Forward FLOPs of one micro-batch: 2 per multiply-add of every matmul. Per layer
+    24 B T C^2 (qkv, proj, fc, fcproj) + 4 B T^2 C (QK^T and AV, causal mask not
+    discounted); the LM head 2 B T V C. Backward is twice this."""
+    C = cfg.n_embd
+    f = len(layers) * (24 * B * T * C * C + 4 * B * T * T * C)
+    if last:
+        f += 2 * B * T * cfg.vocab_size * C
+    return float(f)
+
+
+class GPT2Runtime:
+    """Buffers and compute of one rank: the StageModel for real/replay compute, plain
+    buffers of the right sizes for model/none."""
+
+    def __init__(self, cfg: GPT2Config, layers: range, first: bool, last: bool, args,
+                 dp: int, dp_rank: int, source, mode: str):
+        B, T, C, m = args.micro_batch, args.seq_len, cfg.n_embd, args.micro_batches
+        self.B, self.T, self.C, self.m, self.dp = B, T, C, m, dp
+        self.first, self.last = first, last
+        self.source, self.lr, self.wd = source, args.lr, args.weight_decay
+        self.dp_rank = dp_rank
+        self.model = None
+        if mode in ("real", "replay"):
+            from proxies.gpt2.model import StageModel
+
+            self.model = StageModel(cfg, layers, first, last, B, T, seed=args.seed)
+            self.grads, self.wte = self.model.grads, self.model.wte_slice
+        else:
+            self.grads = np.zeros(stage_params(cfg, layers, first, last), dtype=np.float32)
+            self.wte = slice(0, cfg.vocab_size * C) if first or last else None
+        self.bufs: dict[tuple[str, int], np.ndarray] = {}
+        self.loss_sum, self.loss_count = 0.0, 0
+
+    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        if name == "grads":
+            return self.grads
+        if name == "wte_grad":
+            return self.grads[self.wte]
+        buf = self.bufs.get((name, mb))
+        if buf is None:
+            buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
+        return buf
+
+    def compute(self, op: Compute, iteration: int) -> None:
+        model = self.model
+        if op.name == "forward":
+            if self.first:
+                g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
+                x, targets = batch(self.source, g, self.B)
+            else:
+                x = self.bufs[("act_in", op.mb)]
+            if self.last:
+                g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
+                targets = batch(self.source, g, self.B)[1]
+                # Scaled so the data-parallel SUM is the gradient of the global mean loss.
+                self.loss_sum += model.forward(op.mb, x, targets, 1.0 / (self.m * self.dp))
+                self.loss_count += 1
+            else:
+                self.bufs[("act_out", op.mb)] = model.forward(op.mb, x)
+        elif op.name == "backward":
+            dout = None if self.last else self.bufs[("grad_out", op.mb)]
+            din = model.backward(op.mb, dout)
+            if not self.first:
+                self.bufs[("grad_in", op.mb)] = din
+        elif op.name == "optimizer":
+            model.step(self.lr, self.wd)
+            model.zero_grad()
+        else:
+            raise ValueError(f"unknown compute op {op.name}")
+
+    def finish_iteration(self, iteration: int) -> tuple[float, int]:
+        out = (self.loss_sum, self.loss_count)
+        self.loss_sum, self.loss_count = 0.0, 0
+        return out
+
+
+def make_job(args, world: int) -> runner.Job:
+    cfg = PRESETS[args.model]
+    L = args.layers or cfg.n_layer
+    cfg = cfg.with_layers(L)
+    pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
+    if pp > L:
+        raise cli.UsageError(f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at "
+                             "least one layer")
+    if world % pp:
+        raise cli.UsageError(f"world size {world} is not a multiple of STAGES = {pp} (the "
+                             "data-parallel degree is world size / STAGES)")
+    if T > cfg.max_seq_len:
+        raise cli.UsageError(f"--seq-len {T} is longer than {args.model}'s context of "
+                             f"{cfg.max_seq_len}")
+    if m > MAX_TAG_MICROBATCHES:
+        raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
+    if args.weight_decay < 0:
+        raise cli.UsageError(f"--weight-decay {args.weight_decay}: must be >= 0")
+    dp = world // pp
+    try:
+        grid = ProcessGrid.create(args.order, pp=pp, dp=dp)
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
+    source = None
+    if args.data and not args.dry_run:
+        try:
+            source = TokenFile(args.data, cfg.vocab_size, T)
+        except DataError as e:
+            raise cli.UsageError(str(e)) from None
+    elif not args.data:
+        source = Synthetic(args.seed, cfg.vocab_size, T)
+    split = split_layers(L, pp)
+    act = B * T * cfg.n_embd
+    schedule = SCHEDULES[args.schedule]
+
+    def plan(rank: int) -> Plan:
+        c = grid.coords(rank)
+        s = c["pp"]
+        first, last = s == 0, s == pp - 1
+        pp_ranks = grid.group("pp", rank)
+        fwd = stage_flops(cfg, split[s], last, B, T)
+        ops = pipeline_ops(schedule(pp, m, s), s, pp_ranks, 1, act,
+                           flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd)
+        groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
+        if dp > 1:
+            ops.append(Collective("allreduce", "dp", "grads",
+                                  stage_params(cfg, split[s], first, last)))
+        if pp > 1 and (first or last):
+            groups["embed"] = (pp_ranks[0], pp_ranks[-1])
+            ops.append(Collective("allreduce", "embed", "wte_grad", cfg.vocab_size * cfg.n_embd))
+        ops.append(Compute("optimizer"))
+        return Plan(rank, tuple(ops), groups, c)
+
+    def label(rank: int) -> str:
+        s = grid.coords(rank)["pp"]
+        r = split[s]
+        extra = (" +emb" if s == 0 else "") + (" +head" if s == pp - 1 else "")
+        return f"stage {s}: layers {r.start}-{r.stop - 1}{extra}"
+
+    def runtime(rank, MPI, comms, mode):
+        c = grid.coords(rank)
+        s = c["pp"]
+        return GPT2Runtime(cfg, split[s], s == 0, s == pp - 1, args, dp, c["dp"], source, mode)
+
+    sizes = sorted({len(r) for r in split})
+    config = {
+        "model": args.model, "layers": L, "stages": pp, "micro_batches": m, "micro_batch": B,
+        "seq_len": T, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "vocab_size": cfg.vocab_size,
+        "params": cfg.num_params, "schedule": args.schedule, "order": grid.order, "dp": dp,
+        "global_batch": B * m * dp, "compute": args.compute, "lr": args.lr,
+        "weight_decay": args.weight_decay, "seed": args.seed, "iters": args.iters,
+        "warmup": args.warmup, "data": args.data or "synthetic", "check": args.check,
+        "allreduce": args.allreduce, "device_tflops": args.device_tflops,
+        "layers_per_stage": [len(r) for r in split],
+    }
+    header = [
+        f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, V={cfg.vocab_size}) "
+        f"· {L} layers = {cfg.num_params / 1e6:,.1f}M parameters",
+        f"grid: {pp} pipeline stages x {dp} data-parallel (order {grid.order}) · layers per stage "
+        + ("-".join(map(str, sizes)) if len(sizes) > 1 else str(sizes[0]))
+        + f" · schedule {args.schedule} · {m} micro-batches of {B} x {T} tokens "
+        f"(global batch {B * m * dp} samples)",
+        f"messages: activation {act:,} floats ({act * 4:,} B); gradients per layer "
+        f"{cfg.layer_params:,} floats · data: "
+        + (source.describe() if source is not None else args.data)
+        + f" · iterations {args.warmup} warm-up + {args.iters} timed",
+    ]
+    return runner.Job(PROG, "gpt2", config, grid, plan, ("pp", "dp", "embed"), label, header,
+                      runtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return runner.main(make_job, parser(), argv)
+
+
+def entry() -> None:
+    cli.run_main(PROG, main)
