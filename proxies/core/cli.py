@@ -110,6 +110,10 @@ def add_common(p: argparse.ArgumentParser, *, iters: int = 5, warmup: int = 2) -
     g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="watchdog: abort with a diagnosis when a rank makes no progress for "
                         "this long (default 300; 0 disables)")
+    g.add_argument("--wait", choices=("auto", "spin", "yield"), default="auto",
+                   help="how ranks wait for peers: spin = MPI's blocking calls (busy-polling); "
+                        "yield = test and sleep 20 us..1 ms, leaving the cores to ranks with "
+                        "work; auto = yield when a node has more ranks than cores, else spin")
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 

@@ -13,6 +13,12 @@ Where time goes, per iteration and rank:
 Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
 split from the transfer; sends are Isend and complete with their batch, so a batch
 (Megatron's batch_isend_irecv) can never deadlock against its mirror image.
+
+Waiting: MPI libraries busy-poll while they wait. With more ranks than cores that polling
+takes the cores from the ranks that have work (32 ranks on 2 cores: the last stage computed
+at a tenth of its speed). In "yield" mode every wait is a non-blocking test followed by a
+short sleep, backing off from 20 us to 1 ms; it costs up to ~1 ms latency per wait, which is
+why it is the default only for oversubscribed nodes (`Waiter`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,46 @@ def describe(op, rank: int | None = None) -> str:
     return repr(op)
 
 
+class Waiter:
+    """Blocking MPI waits ("spin", the library's own) or test-and-sleep ("yield")."""
+
+    def __init__(self, MPI, mode: str):
+        self.MPI, self.yielding = MPI, mode == "yield"
+
+    def _poll(self, ready):
+        delay = 2e-5
+        while True:
+            out = ready()
+            if out:
+                return out
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def probe(self, comm, source: int, tag: int, status):
+        if not self.yielding:
+            return comm.Mprobe(source, tag, status)
+        return self._poll(lambda: comm.Improbe(source, tag, status))
+
+    def waitall(self, reqs: list) -> None:
+        if not self.yielding:
+            self.MPI.Request.Waitall(reqs)
+        elif reqs:
+            self._poll(lambda: self.MPI.Request.Testall(reqs))
+
+    def allreduce(self, comm, buf: np.ndarray) -> None:
+        MPI = self.MPI
+        if not self.yielding:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        else:
+            self.waitall([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)])
+
+    def barrier(self, comm) -> None:
+        if not self.yielding:
+            comm.Barrier()
+        else:
+            self.waitall([comm.Ibarrier()])
+
+
 def _pieces(buf: np.ndarray):
     flat = buf.reshape(-1)
     for lo in range(0, max(flat.size, 1), MAX_COUNT):
@@ -80,7 +126,7 @@ def _pieces(buf: np.ndarray):
 class Engine:
     def __init__(self, MPI, plan: Plan, runtime: Runtime, comms: dict, *, mode: str = "real",
                  device_tflops: float = 150.0, replay: dict | None = None, check: bool = False,
-                 watchdog=None, fault: str = ""):
+                 watchdog=None, fault: str = "", wait: str = "spin"):
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.plan, self.runtime, self.comms = plan, runtime, comms
@@ -92,6 +138,7 @@ class Engine:
         self.fault = fault  # test hook: "corrupt", "stall" or "crash" on this rank
         self.iteration = 0
         self.pending: dict[str, tuple] = {}
+        self.waiter = Waiter(MPI, wait)
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, op: Compute) -> None:
@@ -120,10 +167,12 @@ class Engine:
         idle = 0.0
         for m in op.recvs:
             buf = self._buffer(m)
+            self._beat(f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} "
+                       f"(tag {m.tag})")
             for piece in _pieces(buf):
                 w0 = MPI.Wtime()
                 status = MPI.Status()
-                msg = comm.Mprobe(m.peer, m.tag, status)
+                msg = self.waiter.probe(comm, m.peer, m.tag, status)
                 idle += MPI.Wtime() - w0
                 n = status.Get_count(MPI._typedict[piece.dtype.char])
                 if n != piece.size:
@@ -134,9 +183,16 @@ class Engine:
                 msg.Recv(piece)
             if self.check:
                 self._verify_p2p(buf, m)
-        MPI.Request.Waitall(reqs)
+        if op.sends:
+            peers = ", ".join(f"{m.buf} mb {m.mb} to rank {m.peer}" for m in op.sends)
+            self._beat(f"{op.name}: waiting for the receiver(s) to take {peers}")
+        self.waiter.waitall(reqs)
         t.seconds["idle"] += idle
         t.seconds[op.category] += MPI.Wtime() - t0 - idle
+
+    def _beat(self, what: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(f"iteration {self.iteration}: {what}")
 
     def _buffer(self, m: Msg) -> np.ndarray:
         buf = self.runtime.buffer(m.buf, m.mb, m.chunk)
@@ -157,7 +213,7 @@ class Engine:
             raise NotImplementedError(f"collective {op.kind} is not executed yet")
         t0 = MPI.Wtime()
         for piece in _pieces(buf):
-            comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
+            self.waiter.allreduce(comm, piece)
         dt = MPI.Wtime() - t0
         t.collectives.append((op.group, op.category, dt))
         if self.check:

@@ -205,13 +205,20 @@ def run(job: Job, args, MPI) -> int:
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
     if spec and spec.split(":")[-1] == str(rank):
         fault = spec.split(":")[0]
+    wait = args.wait
+    if wait == "auto":
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        oversubscribed = node.allreduce(node.size > threads.cores_available(), op=MPI.LOR)
+        wait = "yield" if oversubscribed else "spin"
+        node.Free()
+    job.config["wait"] = wait
     engine = Engine(MPI, plan, runtime, comms, mode=args.compute, device_tflops=args.device_tflops,
-                    replay=replay, check=args.check, watchdog=watchdog, fault=fault)
+                    replay=replay, check=args.check, watchdog=watchdog, fault=fault, wait=wait)
 
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
     for it in range(args.warmup + args.iters):
         watchdog.beat(f"barrier before iteration {it}")
-        world.Barrier()
+        engine.waiter.barrier(world)
         try:
             t = engine.run_iteration(it)
         except CheckError as e:
@@ -265,7 +272,8 @@ def run_line(result: dict, args) -> str:
     th = threads.decision
     blas = f"BLAS threads {th[0]}/rank ({th[3]})" if th else ""
     return (f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
-            f"thread level {m['thread_level']} · {blas} · compute {args.compute}"
+            f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
+            f"compute {args.compute}"
             + (" · --check on" if args.check else ""))
 
 

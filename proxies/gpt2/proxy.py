@@ -132,7 +132,7 @@ class GPT2Runtime:
                 g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
                 x, targets = batch(self.source, g, self.B)
             else:
-                x = self.bufs[("act_in", op.mb)]
+                x = self.buffer("act_in", op.mb, 0)
             if self.last:
                 g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
                 targets = batch(self.source, g, self.B)[1]
@@ -142,7 +142,7 @@ class GPT2Runtime:
             else:
                 self.bufs[("act_out", op.mb)] = model.forward(op.mb, x)
         elif op.name == "backward":
-            dout = None if self.last else self.bufs[("grad_out", op.mb)]
+            dout = None if self.last else self.buffer("grad_out", op.mb, 0)
             din = model.backward(op.mb, dout)
             if not self.first:
                 self.bufs[("grad_in", op.mb)] = din

@@ -1,0 +1,85 @@
+"""GPT-2 proxy under mpiexec: layouts agree, --check, the watchdog, failures end the job."""
+
+import json
+
+import pytest
+from launch import mpirun
+
+TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--iters", "3", "--warmup", "0", "--quiet"]
+
+
+def losses(tmp_path, ranks, layers, stages, mbs, *extra):
+    out = tmp_path / f"r{ranks}s{stages}m{mbs}.json"
+    r = mpirun(ranks, "proxies.gpt2", str(layers), str(stages), str(mbs), *TINY,
+               "--json", str(out), *extra, timeout=240)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
+# (ranks, stages, micro-batches): global batch 8 samples in every layout.
+LAYOUTS = [(2, 2, 8), (2, 1, 4), (4, 2, 4), (8, 4, 4)]
+
+
+def test_every_layout_trains_like_one_process(tmp_path):
+    ref = losses(tmp_path, 1, 4, 1, 8)
+    assert len(ref["loss"]) == 3 and ref["loss"][2] < ref["loss"][0]
+    for ranks, stages, mbs in LAYOUTS:
+        got = losses(tmp_path, ranks, 4, stages, mbs)
+        assert got["config"]["global_batch"] == 8
+        assert got["grid"] == {"order": "pp-dp", "pp": stages, "dp": ranks // stages}
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ranks, stages)
+
+
+def test_gpipe_and_megatron_order_train_the_same(tmp_path):
+    ref = losses(tmp_path, 4, 4, 2, 4)
+    for extra in (["--schedule", "gpipe"], ["--order", "megatron"]):
+        got = losses(tmp_path, 4, 4, 2, 4, *extra)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), extra
+
+
+def test_results_json_has_the_contract_fields(tmp_path):
+    got = losses(tmp_path, 4, 4, 2, 4)
+    for key in ("proxy", "config", "world_size", "grid", "mpi", "iter_time_s", "breakdown_s",
+                "bytes", "loss"):
+        assert key in got
+    assert len(got["iter_time_s"]) == 3
+    assert set(got["breakdown_s"]) >= {"compute", "pp", "dp_allreduce", "embed_allreduce", "idle"}
+    # Bytes per rank: stage 0 sends 4 activations of B*T*C floats and receives 4 gradients.
+    act = 1 * 32 * 64 * 4
+    assert got["bytes"]["pp_send"] == [4 * act] * 4
+    assert got["bytes"]["pp_recv"] == [4 * act] * 4
+    # Every second of an iteration is accounted for (overhead is the remainder, never < 0).
+    for i, total in enumerate(got["iter_time_s"]):
+        parts = sum(v[i] for v in got["breakdown_max_s"].values())
+        assert parts >= 0.5 * total
+
+
+@pytest.mark.parametrize("compute", ["real", "none", "replay", "model"])
+def test_check_verifies_every_message(tmp_path, compute):
+    got = losses(tmp_path, 4, 4, 2, 4, "--check", "--compute", compute)
+    assert got["config"]["check"] is True
+    assert ("loss" in got) == (compute == "real")
+
+
+def test_check_catches_a_corrupted_message():
+    r = mpirun(4, "proxies.gpt2", "4", "2", "4", *TINY, "--check", timeout=60,
+               env={"PROXIES_FAULT": "corrupt:0"})
+    assert r.returncode != 0
+    assert "--check: rank 1 received act_in mb 0 from rank 0" in r.stderr
+
+
+def test_watchdog_turns_a_stall_into_a_diagnosis():
+    r = mpirun(2, "proxies.gpt2", "4", "2", "4", *TINY, "--timeout", "3", timeout=60,
+               env={"PROXIES_FAULT": "stall:1"})
+    assert r.returncode != 0
+    # Rank 1 never receives: rank 0 is left waiting for it to take the first activation.
+    assert "watchdog: rank 0 made no progress" in r.stderr
+    assert "waiting for the receiver(s) to take act_out mb 0 to rank 1" in r.stderr
+
+
+def test_a_crashing_rank_ends_the_job_with_one_traceback():
+    r = mpirun(4, "proxies.gpt2", "4", "2", "4", *TINY, timeout=60,
+               env={"PROXIES_FAULT": "crash:3"})
+    assert r.returncode != 0
+    assert "rank 3 failed" in r.stderr
+    assert r.stderr.count("Traceback") == 1
