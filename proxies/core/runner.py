@@ -294,5 +294,5 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
         job, error = job_from_args(args, MPI.COMM_WORLD.size), None
     except cli.UsageError as e:
         job, error = None, str(e)
-    mpi.agree(MPI.COMM_WORLD, error, parser.prog)
+    mpi.agree(MPI.COMM_WORLD, error, parser.prog.removeprefix("python -m "))
     return run(job, args, MPI)
