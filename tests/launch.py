@@ -32,17 +32,28 @@ class Result:
 
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None, cwd: str = ROOT) -> Result:
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out}\n{err}") from None
+        raise AssertionError(
+            f"timed out after {timeout} s: {' '.join(cmd)}\n{out}\n{err}"
+        ) from None
     return Result(proc.returncode, out, err)
 
 
-def mpirun(n: int, module: str, *args: str, timeout: float = 120, env: dict | None = None) -> Result:
+def mpirun(
+    n: int, module: str, *args: str, timeout: float = 120, env: dict | None = None
+) -> Result:
     """mpiexec -n N python -m MODULE ARGS."""
     return run([mpiexec(), "-n", str(n), sys.executable, "-m", module, *args], timeout, env)

@@ -47,6 +47,17 @@ def test_help_is_printed_once():
     r = mpirun(2, "proxies.gpt2", "--help", timeout=60)
     assert r.returncode == 0
     assert r.stdout.count("usage:") == 1
-    for option in ("--iters", "--warmup", "--compute", "--json", "--dry-run", "--seed", "--check",
-                   "--allreduce", "--schedule", "--data", "--timeout"):
+    for option in (
+        "--iters",
+        "--warmup",
+        "--compute",
+        "--json",
+        "--dry-run",
+        "--seed",
+        "--check",
+        "--allreduce",
+        "--schedule",
+        "--data",
+        "--timeout",
+    ):
         assert option in r.stdout

@@ -10,8 +10,18 @@ TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--iters", "3", "--warmup", "
 
 def losses(tmp_path, ranks, layers, stages, mbs, *extra):
     out = tmp_path / f"r{ranks}s{stages}m{mbs}.json"
-    r = mpirun(ranks, "proxies.gpt2", str(layers), str(stages), str(mbs), *TINY,
-               "--json", str(out), *extra, timeout=240)
+    r = mpirun(
+        ranks,
+        "proxies.gpt2",
+        str(layers),
+        str(stages),
+        str(mbs),
+        *TINY,
+        "--json",
+        str(out),
+        *extra,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())
 
@@ -39,8 +49,17 @@ def test_gpipe_and_megatron_order_train_the_same(tmp_path):
 
 def test_results_json_has_the_contract_fields(tmp_path):
     got = losses(tmp_path, 4, 4, 2, 4)
-    for key in ("proxy", "config", "world_size", "grid", "mpi", "iter_time_s", "breakdown_s",
-                "bytes", "loss"):
+    for key in (
+        "proxy",
+        "config",
+        "world_size",
+        "grid",
+        "mpi",
+        "iter_time_s",
+        "breakdown_s",
+        "bytes",
+        "loss",
+    ):
         assert key in got
     assert len(got["iter_time_s"]) == 3
     assert set(got["breakdown_s"]) >= {"compute", "pp", "dp_allreduce", "embed_allreduce", "idle"}
@@ -62,15 +81,34 @@ def test_check_verifies_every_message(tmp_path, compute):
 
 
 def test_check_catches_a_corrupted_message():
-    r = mpirun(4, "proxies.gpt2", "4", "2", "4", *TINY, "--check", timeout=60,
-               env={"PROXIES_FAULT": "corrupt:0"})
+    r = mpirun(
+        4,
+        "proxies.gpt2",
+        "4",
+        "2",
+        "4",
+        *TINY,
+        "--check",
+        timeout=60,
+        env={"PROXIES_FAULT": "corrupt:0"},
+    )
     assert r.returncode != 0
     assert "--check: rank 1 received act_in mb 0 from rank 0" in r.stderr
 
 
 def test_watchdog_turns_a_stall_into_a_diagnosis():
-    r = mpirun(2, "proxies.gpt2", "4", "2", "4", *TINY, "--timeout", "3", timeout=60,
-               env={"PROXIES_FAULT": "stall:1"})
+    r = mpirun(
+        2,
+        "proxies.gpt2",
+        "4",
+        "2",
+        "4",
+        *TINY,
+        "--timeout",
+        "3",
+        timeout=60,
+        env={"PROXIES_FAULT": "stall:1"},
+    )
     assert r.returncode != 0
     # Rank 1 never receives: rank 0 is left waiting for it to take the first activation.
     assert "watchdog: rank 0 made no progress" in r.stderr
@@ -78,8 +116,9 @@ def test_watchdog_turns_a_stall_into_a_diagnosis():
 
 
 def test_a_crashing_rank_ends_the_job_with_one_traceback():
-    r = mpirun(4, "proxies.gpt2", "4", "2", "4", *TINY, timeout=60,
-               env={"PROXIES_FAULT": "crash:3"})
+    r = mpirun(
+        4, "proxies.gpt2", "4", "2", "4", *TINY, timeout=60, env={"PROXIES_FAULT": "crash:3"}
+    )
     assert r.returncode != 0
     assert "rank 3 failed" in r.stderr
     assert r.stderr.count("Traceback") == 1

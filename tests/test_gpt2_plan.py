@@ -14,8 +14,10 @@ def job(argv, world):
 
 def test_cpp_proxy_message_sizes():
     """GPT-2-large widths, micro-batch 1, sequence 632: the C++ proxy's constants."""
-    j = job(["36", "4", "--model", "gpt2-large", "--seq-len", "632", "--micro-batch", "1",
-             "--dry-run"], 8)
+    j = job(
+        ["36", "4", "--model", "gpt2-large", "--seq-len", "632", "--micro-batch", "1", "--dry-run"],
+        8,
+    )
     cfg = PRESETS["gpt2-large"]
     assert cfg.layer_params == 19_677_440
     for rank in range(8):
@@ -43,9 +45,16 @@ def test_stage_params_sum_to_model_plus_tied_copy():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("world,pp,m,order", [(1, 1, 4, "cpp"), (8, 4, 8, "cpp"),
-                                                (12, 3, 2, "megatron"), (32, 8, 8, "cpp"),
-                                                (6, 6, 1, "cpp")])
+@pytest.mark.parametrize(
+    "world,pp,m,order",
+    [
+        (1, 1, 4, "cpp"),
+        (8, 4, 8, "cpp"),
+        (12, 3, 2, "megatron"),
+        (32, 8, 8, "cpp"),
+        (6, 6, 1, "cpp"),
+    ],
+)
 def test_plans_are_valid(schedule, world, pp, m, order):
     j = job([str(2 * pp), str(pp), str(m), "--schedule", schedule, "--order", order], world)
     plans = [j.plan(r) for r in range(world)]

@@ -77,43 +77,85 @@ def positive_float(text: str) -> float:
 
 def add_common(p: argparse.ArgumentParser, *, iters: int = 5, warmup: int = 2) -> None:
     g = p.add_argument_group("common proxy options")
-    g.add_argument("--iters", type=positive_int, default=iters,
-                   help=f"timed iterations (default {iters})")
-    g.add_argument("--warmup", type=nonneg_int, default=warmup,
-                   help=f"untimed iterations before them (default {warmup})")
-    g.add_argument("--compute", choices=COMPUTE_MODES, default="real",
-                   help="real: run the NumPy kernels every micro-batch; replay: time each "
-                        "compute op with the real kernels once, ranks on a node taking turns, "
-                        "then sleep those times (one-device-per-rank timing on few cores); "
-                        "model: sleep FLOPs / --device-tflops; none: communication only "
-                        "(default real)")
-    g.add_argument("--device-tflops", type=positive_float, default=150.0, metavar="TFLOPS",
-                   help="achieved device rate for --compute model, in TFLOP/s (default 150: "
-                        "about half an A100's 312 bf16 peak)")
-    g.add_argument("--allreduce", choices=ALLREDUCE_ALGS, default="mpi",
-                   help="allreduce algorithm for gradients (default mpi: the library's own)")
-    g.add_argument("--seed", type=nonneg_int, default=0,
-                   help="seed for weights and synthetic data (default 0)")
-    g.add_argument("--check", action="store_true",
-                   help="verify every received message against the sender's checksum and "
-                        "every reduced buffer against the sum of its inputs (adds small "
-                        "messages: do not time with it)")
-    g.add_argument("--json", metavar="PATH",
-                   help="write the results as one JSON object to PATH (rank 0)")
-    g.add_argument("--dry-run", action="store_true",
-                   help="print and validate the plan of one iteration per rank, without MPI")
-    g.add_argument("--world-size", type=positive_int, metavar="N",
-                   help="with --dry-run: plan for N ranks (default: the launcher's size, or 1)")
-    g.add_argument("--show-ranks", metavar="LIST",
-                   help="with --dry-run: ranks whose ops are listed, e.g. 0,5,7 or all "
-                        "(default: all up to 16 ranks, else the first rank of each stage)")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="watchdog: abort with a diagnosis when a rank makes no progress for "
-                        "this long (default 300; 0 disables)")
-    g.add_argument("--wait", choices=("auto", "spin", "yield"), default="auto",
-                   help="how ranks wait for peers: spin = MPI's blocking calls (busy-polling); "
-                        "yield = test and sleep 20 us..1 ms, leaving the cores to ranks with "
-                        "work; auto = yield when a node has more ranks than cores, else spin")
+    g.add_argument(
+        "--iters", type=positive_int, default=iters, help=f"timed iterations (default {iters})"
+    )
+    g.add_argument(
+        "--warmup",
+        type=nonneg_int,
+        default=warmup,
+        help=f"untimed iterations before them (default {warmup})",
+    )
+    g.add_argument(
+        "--compute",
+        choices=COMPUTE_MODES,
+        default="real",
+        help="real: run the NumPy kernels every micro-batch; replay: time each "
+        "compute op with the real kernels once, ranks on a node taking turns, "
+        "then sleep those times (one-device-per-rank timing on few cores); "
+        "model: sleep FLOPs / --device-tflops; none: communication only "
+        "(default real)",
+    )
+    g.add_argument(
+        "--device-tflops",
+        type=positive_float,
+        default=150.0,
+        metavar="TFLOPS",
+        help="achieved device rate for --compute model, in TFLOP/s (default 150: "
+        "about half an A100's 312 bf16 peak)",
+    )
+    g.add_argument(
+        "--allreduce",
+        choices=ALLREDUCE_ALGS,
+        default="mpi",
+        help="allreduce algorithm for gradients (default mpi: the library's own)",
+    )
+    g.add_argument(
+        "--seed", type=nonneg_int, default=0, help="seed for weights and synthetic data (default 0)"
+    )
+    g.add_argument(
+        "--check",
+        action="store_true",
+        help="verify every received message against the sender's checksum and "
+        "every reduced buffer against the sum of its inputs (adds small "
+        "messages: do not time with it)",
+    )
+    g.add_argument(
+        "--json", metavar="PATH", help="write the results as one JSON object to PATH (rank 0)"
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print and validate the plan of one iteration per rank, without MPI",
+    )
+    g.add_argument(
+        "--world-size",
+        type=positive_int,
+        metavar="N",
+        help="with --dry-run: plan for N ranks (default: the launcher's size, or 1)",
+    )
+    g.add_argument(
+        "--show-ranks",
+        metavar="LIST",
+        help="with --dry-run: ranks whose ops are listed, e.g. 0,5,7 or all "
+        "(default: all up to 16 ranks, else the first rank of each stage)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="watchdog: abort with a diagnosis when a rank makes no progress for "
+        "this long (default 300; 0 disables)",
+    )
+    g.add_argument(
+        "--wait",
+        choices=("auto", "spin", "yield"),
+        default="auto",
+        help="how ranks wait for peers: spin = MPI's blocking calls (busy-polling); "
+        "yield = test and sleep 20 us..1 ms, leaving the cores to ranks with "
+        "work; auto = yield when a node has more ranks than cores, else spin",
+    )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
@@ -125,8 +167,9 @@ def env_world_size() -> int | None:
     return None
 
 
-def run_main(prog: str, main: Callable[[list[str] | None], int | None],
-             argv: list[str] | None = None) -> None:
+def run_main(
+    prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None
+) -> None:
     """Run a proxy's main: UsageError -> one line from rank 0, exit 2."""
     try:
         code = main(argv)

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from proxies.core.plan import Collective, Compute, Msg, P2P, Plan, Wait
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 
 # Largest count per MPI call: MPI counts are C ints (2^31 - 1), so longer messages go as
 # consecutive pieces on the same tag (MPI keeps their order).
@@ -80,8 +80,8 @@ def describe(op, rank: int | None = None) -> str:
 class Waiter:
     """Blocking MPI waits ("spin", the library's own) or test-and-sleep ("yield")."""
 
-    def __init__(self, MPI, mode: str):
-        self.MPI, self.yielding = MPI, mode == "yield"
+    def __init__(self, MPI, mode: str, max_sleep: float = 1e-3):
+        self.MPI, self.yielding, self.max_sleep = MPI, mode == "yield", max_sleep
 
     def _poll(self, ready):
         delay = 2e-5
@@ -90,7 +90,7 @@ class Waiter:
             if out:
                 return out
             time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            delay = min(2 * delay, self.max_sleep)
 
     def probe(self, comm, source: int, tag: int, status):
         if not self.yielding:
@@ -124,9 +124,21 @@ def _pieces(buf: np.ndarray):
 
 
 class Engine:
-    def __init__(self, MPI, plan: Plan, runtime: Runtime, comms: dict, *, mode: str = "real",
-                 device_tflops: float = 150.0, replay: dict | None = None, check: bool = False,
-                 watchdog=None, fault: str = "", wait: str = "spin"):
+    def __init__(
+        self,
+        MPI,
+        plan: Plan,
+        runtime: Runtime,
+        comms: dict,
+        *,
+        mode: str = "real",
+        device_tflops: float = 150.0,
+        replay: dict | None = None,
+        check: bool = False,
+        watchdog=None,
+        fault: str = "",
+        wait: str = "spin",
+    ):
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.plan, self.runtime, self.comms = plan, runtime, comms
@@ -167,8 +179,7 @@ class Engine:
         idle = 0.0
         for m in op.recvs:
             buf = self._buffer(m)
-            self._beat(f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} "
-                       f"(tag {m.tag})")
+            self._beat(f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} (tag {m.tag})")
             for piece in _pieces(buf):
                 w0 = MPI.Wtime()
                 status = MPI.Status()
@@ -197,8 +208,10 @@ class Engine:
     def _buffer(self, m: Msg) -> np.ndarray:
         buf = self.runtime.buffer(m.buf, m.mb, m.chunk)
         if buf.size != m.count or buf.dtype != np.dtype(m.dtype):
-            raise CheckError(f"buffer {m.buf} mb {m.mb} is {buf.size} x {buf.dtype}, "
-                             f"the plan says {m.count} x {m.dtype}")
+            raise CheckError(
+                f"buffer {m.buf} mb {m.mb} is {buf.size} x {buf.dtype}, "
+                f"the plan says {m.count} x {m.dtype}"
+            )
         return buf
 
     # -- collectives -----------------------------------------------------------------------
@@ -227,8 +240,9 @@ class Engine:
 
     @staticmethod
     def _checksum(buf: np.ndarray) -> np.ndarray:
-        return np.array([zlib.crc32(memoryview(buf.reshape(-1)).cast("B")), buf.size],
-                        dtype=np.int64)
+        return np.array(
+            [zlib.crc32(memoryview(buf.reshape(-1)).cast("B")), buf.size], dtype=np.int64
+        )
 
     def _verify_p2p(self, buf: np.ndarray, m: Msg) -> None:
         want = np.empty(2, dtype=np.int64)

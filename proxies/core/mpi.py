@@ -28,7 +28,7 @@ def describe(MPI) -> dict:
     cvars = {k: v for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "OMPI_MCA_"))}
     return {
         "library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
-        "standard": "%d.%d" % MPI.Get_version(),
+        "standard": ".".join(map(str, MPI.Get_version())),
         "mpi4py": mpi4py.__version__,
         "thread_level": THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "env": cvars,

@@ -136,8 +136,10 @@ class Plan:
         out: dict[str, int] = {}
         for op in self.ops:
             if isinstance(op, P2P):
-                for key, n in ((f"{op.category}_send", op.nbytes_sent),
-                               (f"{op.category}_recv", op.nbytes_recv)):
+                for key, n in (
+                    (f"{op.category}_send", op.nbytes_sent),
+                    (f"{op.category}_recv", op.nbytes_recv),
+                ):
                     if n:
                         out[key] = out.get(key, 0) + n
             elif isinstance(op, Collective):

@@ -77,9 +77,11 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
     out = console()
     s = stats(result["iter_time_s"])
     n = len(result["iter_time_s"])
-    summary = (f"time per iteration: mean {s['mean']:.4f} s, median {s['median']:.4f} s, "
-               f"min {s['min']:.4f} s, max {s['max']:.4f} s over {n} timed iterations "
-               f"(max over ranks)")
+    summary = (
+        f"time per iteration: mean {s['mean']:.4f} s, median {s['median']:.4f} s, "
+        f"min {s['min']:.4f} s, max {s['max']:.4f} s over {n} timed iterations "
+        f"(max over ranks)"
+    )
     if quiet:
         out.print(summary)
         return
@@ -100,10 +102,15 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
         mx = max(result["breakdown_per_rank_s"][c])
         moved = [k for k in byts if k == c or k.startswith(c + "_")]
         btxt = ", ".join(
-            (k[len(c) + 1:] + " " if k != c else "") + human_bytes(max(byts[k])) for k in moved
+            (k[len(c) + 1 :] + " " if k != c else "") + human_bytes(max(byts[k])) for k in moved
         )
-        t.add_row(LABELS.get(c, c), f"{mean:.4f} s", f"{mx:.4f} s",
-                  f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-", btxt)
+        t.add_row(
+            LABELS.get(c, c),
+            f"{mean:.4f} s",
+            f"{mx:.4f} s",
+            f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-",
+            btxt,
+        )
     out.print(t)
 
     # Per rank group (e.g. pipeline stage): where imbalance and bubbles show.
@@ -113,14 +120,20 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
         groups.setdefault(label, []).append(i)
     if len(groups) > 1:
         cats = list(result["breakdown_per_rank_s"])
-        t = Table(title="per stage, mean over its ranks, seconds per iteration",
-                  title_justify="left")
+        t = Table(
+            title="per stage, mean over its ranks, seconds per iteration", title_justify="left"
+        )
         t.add_column("ranks")
         for c in cats:
             t.add_column(c, justify="right")
         for label, idx in groups.items():
-            t.add_row(label, *(f"{np.mean([result['breakdown_per_rank_s'][c][i] for i in idx]):.4f}"
-                               for c in cats))
+            t.add_row(
+                label,
+                *(
+                    f"{np.mean([result['breakdown_per_rank_s'][c][i] for i in idx]):.4f}"
+                    for c in cats
+                ),
+            )
         out.print(t)
     if result.get("loss"):
         out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))

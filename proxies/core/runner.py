@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxies.core import cli, report, threads
-from proxies.core.engine import CheckError, Engine, describe, split_collective_waits
+from proxies.core.engine import CheckError, Engine, Waiter, describe, split_collective_waits
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import Collective, Compute, P2P, Plan
+from proxies.core.plan import P2P, Collective, Compute, Plan
 
 
 @dataclass
@@ -53,17 +53,34 @@ def dry_run(job: Job, args) -> int:
         console.print(line)
 
     t = Table(title="plan of one iteration, per rank", title_justify="left")
-    for col in ("rank", "stage", "coords", "ops", "p2p msgs", "p2p sent", "p2p recv",
-                "collectives", "collective bytes"):
+    for col in (
+        "rank",
+        "stage",
+        "coords",
+        "ops",
+        "p2p msgs",
+        "p2p sent",
+        "p2p recv",
+        "collectives",
+        "collective bytes",
+    ):
         t.add_column(col, justify="right" if col not in ("stage", "coords") else "left")
     for p in plans:
         b = p.bytes_by_category()
         sent = sum(v for k, v in b.items() if k.endswith("_send"))
         recv = sum(v for k, v in b.items() if k.endswith("_recv"))
         colls = [op for op in p.ops if isinstance(op, Collective)]
-        t.add_row(str(p.rank), job.label(p.rank), " ".join(f"{k}{v}" for k, v in p.coords.items()),
-                  str(len(p.ops)), str(sum(1 for _ in p.messages())), f"{sent:,}", f"{recv:,}",
-                  str(len(colls)), f"{sum(op.nbytes for op in colls):,}")
+        t.add_row(
+            str(p.rank),
+            job.label(p.rank),
+            " ".join(f"{k}{v}" for k, v in p.coords.items()),
+            str(len(p.ops)),
+            str(sum(1 for _ in p.messages())),
+            f"{sent:,}",
+            f"{recv:,}",
+            str(len(colls)),
+            f"{sum(op.nbytes for op in colls):,}",
+        )
     console.print(t)
 
     for r in show_ranks(args.show_ranks, job, world):
@@ -77,10 +94,13 @@ def dry_run(job: Job, args) -> int:
 
     rate = args.device_tflops * 1e12
     try:
-        sim = simulate(plans, cost=lambda rank, op: op.flops / rate
-                       if isinstance(op, Compute) else 0.0)
+        sim = simulate(
+            plans, cost=lambda rank, op: op.flops / rate if isinstance(op, Compute) else 0.0
+        )
     except PlanError as e:
-        console.print(f"[bold red]plan is invalid[/]: {e}")
+        from rich.markup import escape
+
+        console.print(f"[bold red]plan is invalid[/]: {escape(str(e))}")
         return 1
     nmsg = sum(1 for p in plans for _, _, d in p.messages() if d == "send")
     busy = max(sum(op.flops for op in p.ops if isinstance(op, Compute)) for p in plans) / rate
@@ -90,12 +110,21 @@ def dry_run(job: Job, args) -> int:
         f"{sim.time:.4f} s (busiest rank computes {busy:.4f} s; the rest is pipeline bubble)"
     )
     if args.json:
-        report.write_json(args.json, {
-            "proxy": job.proxy, "dry_run": True, "config": job.config, "world_size": world,
-            "grid": job.grid.describe(), "predicted_iter_time_s": sim.time,
-            "bytes": {c: [p.bytes_by_category().get(c, 0) for p in plans]
-                      for c in sorted({c for p in plans for c in p.bytes_by_category()})},
-        })
+        report.write_json(
+            args.json,
+            {
+                "proxy": job.proxy,
+                "dry_run": True,
+                "config": job.config,
+                "world_size": world,
+                "grid": job.grid.describe(),
+                "predicted_iter_time_s": sim.time,
+                "bytes": {
+                    c: [p.bytes_by_category().get(c, 0) for p in plans]
+                    for c in sorted({c for p in plans for c in p.bytes_by_category()})
+                },
+            },
+        )
     return 0
 
 
@@ -107,8 +136,16 @@ def op_rows(op) -> list[tuple[str, ...]]:
         rows = []
         for d, msgs in (("send", op.sends), ("recv", op.recvs)):
             for m in msgs:
-                rows.append((f"{op.name}: {d}", op.category, str(m.peer), f"{m.buf} mb {m.mb}",
-                             f"{m.count:,}", f"{m.nbytes:,}"))
+                rows.append(
+                    (
+                        f"{op.name}: {d}",
+                        op.category,
+                        str(m.peer),
+                        f"{m.buf} mb {m.mb}",
+                        f"{m.count:,}",
+                        f"{m.nbytes:,}",
+                    )
+                )
         return rows
     if isinstance(op, Collective):
         return [(op.kind, op.group, "", op.buf, f"{op.count:,}", f"{op.nbytes:,}")]
@@ -176,10 +213,12 @@ def calibrate(MPI, job: Job, plan: Plan, runtime, comms: dict, watchdog) -> dict
     watchdog.beat("calibrating replay times (ranks take turns)")
     watchdog.last = float("inf")  # turns can take long; nothing here waits on messages
     if node.size > threads.cores_available():
+        # Waiting ranks must not spin in MPI_Barrier while one measures, nor wake often.
+        waiter = Waiter(MPI, "yield", max_sleep=0.02)
         for turn in range(node.size):
             if node.rank == turn and measuring:
                 measure()
-            node.Barrier()
+            waiter.barrier(node)
     elif measuring:
         measure()
     times = {k: statistics.median(v) for k, v in samples.items()}
@@ -191,7 +230,8 @@ def calibrate(MPI, job: Job, plan: Plan, runtime, comms: dict, watchdog) -> dict
 
 
 def run(job: Job, args, MPI) -> int:
-    from proxies.core.mpi import Watchdog, abort_on_exception, describe as mpi_describe
+    from proxies.core.mpi import Watchdog, abort_on_exception
+    from proxies.core.mpi import describe as mpi_describe
 
     world = MPI.COMM_WORLD
     rank = world.rank
@@ -212,8 +252,19 @@ def run(job: Job, args, MPI) -> int:
         wait = "yield" if oversubscribed else "spin"
         node.Free()
     job.config["wait"] = wait
-    engine = Engine(MPI, plan, runtime, comms, mode=args.compute, device_tflops=args.device_tflops,
-                    replay=replay, check=args.check, watchdog=watchdog, fault=fault, wait=wait)
+    engine = Engine(
+        MPI,
+        plan,
+        runtime,
+        comms,
+        mode=args.compute,
+        device_tflops=args.device_tflops,
+        replay=replay,
+        check=args.check,
+        watchdog=watchdog,
+        fault=fault,
+        wait=wait,
+    )
 
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
     for it in range(args.warmup + args.iters):
@@ -271,10 +322,11 @@ def run_line(result: dict, args) -> str:
     m = result["mpi"]
     th = threads.decision
     blas = f"BLAS threads {th[0]}/rank ({th[3]})" if th else ""
-    return (f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
-            f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
-            f"compute {args.compute}"
-            + (" · --check on" if args.check else ""))
+    return (
+        f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
+        f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
+        f"compute {args.compute}" + (" · --check on" if args.check else "")
+    )
 
 
 def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
@@ -284,7 +336,9 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
         world = args.world_size or cli.env_world_size() or 1
         return dry_run(job_from_args(args, world), args)
     if args.world_size is not None:
-        raise cli.UsageError("--world-size only goes with --dry-run (a real run has mpiexec's size)")
+        raise cli.UsageError(
+            "--world-size only goes with --dry-run (a real run has mpiexec's size)"
+        )
     from proxies.core import mpi
 
     MPI = mpi.init()

@@ -92,7 +92,7 @@ def interleaved_1f1b(pp: int, m: int, stage: int, v: int = 1) -> list[Action]:
     is chunk (k mod v*pp) // pp, micro-batch (k // v*pp)*pp + k mod pp; backwards take the
     chunks in reverse order. Warm-up runs (pp - s - 1)*2 + (v - 1)*pp forwards (at most m*v),
     then steady 1F1B pairs (forward k + warm-up, backward k), then the cool-down backwards.
-    (Megatron before 2024 also ran all forwards first whenever m == pp; current Megatron, and
+    (Older Megatron releases also ran all forwards first whenever m == pp; newer ones, and
     this function, use the formula above for every m.) v = 1 is plain 1F1B, as in Megatron,
     which uses the non-interleaved schedule without virtual stages.
     """
@@ -124,7 +124,7 @@ def interleaved_1f1b(pp: int, m: int, stage: int, v: int = 1) -> list[Action]:
 
 
 def interleaved_warmup(pp: int, m: int, stage: int, v: int) -> int:
-    """Forwards before the first backward in Megatron's interleaved schedule, at most m*v."""
+    """Warm-up forwards (before the steady pairs) of Megatron's interleaved schedule, <= m*v."""
     return min((pp - stage - 1) * 2 + (v - 1) * pp, m * v)
 
 

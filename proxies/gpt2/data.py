@@ -47,21 +47,27 @@ class TokenFile:
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
         if header.size < LLMC_HEADER or header[0] != LLMC_MAGIC or header[1] != 1:
-            raise DataError(f"--data {path}: not an llm.c token file (expected header magic "
-                            f"{LLMC_MAGIC}, version 1)")
+            raise DataError(
+                f"--data {path}: not an llm.c token file (expected header magic "
+                f"{LLMC_MAGIC}, version 1)"
+            )
         n = int(header[2])
         expected = LLMC_HEADER * 4 + 2 * n
         if os.path.getsize(path) != expected:
-            raise DataError(f"--data {path}: header says {n} tokens ({expected} bytes), "
-                            f"the file has {os.path.getsize(path)} bytes")
+            raise DataError(
+                f"--data {path}: header says {n} tokens ({expected} bytes), "
+                f"the file has {os.path.getsize(path)} bytes"
+            )
         if n < T + 1:
-            raise DataError(f"--data {path}: {n} tokens, fewer than one sample of "
-                            f"--seq-len + 1 = {T + 1}")
+            raise DataError(
+                f"--data {path}: {n} tokens, fewer than one sample of --seq-len + 1 = {T + 1}"
+            )
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=LLMC_HEADER * 4, shape=(n,))
         top = int(self.tokens.max())
         if top >= vocab:
-            raise DataError(f"--data {path}: token id {top} is outside the model's vocabulary "
-                            f"of {vocab}")
+            raise DataError(
+                f"--data {path}: token id {top} is outside the model's vocabulary of {vocab}"
+            )
         self.windows = (n - 1) // T
 
     def sample(self, g: int) -> np.ndarray:

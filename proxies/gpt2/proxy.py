@@ -37,27 +37,63 @@ def parser() -> argparse.ArgumentParser:
         "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("layers", type=cli.positive_int, nargs="?", metavar="LAYERS",
-                   help="transformer layers (default: the preset's depth)")
-    p.add_argument("stages", type=cli.positive_int, nargs="?", default=1, metavar="STAGES",
-                   help="pipeline stages; data-parallel degree = world size / STAGES")
-    p.add_argument("micro_batches", type=cli.positive_int, nargs="?", default=8,
-                   metavar="MICROBATCHES", help="micro-batches per iteration per replica")
-    p.add_argument("--model", choices=sorted(PRESETS), default=DEFAULT_MODEL,
-                   help="preset widths: gpt2 is 124M (C=768), gpt2-tiny is C=64 for tests")
-    p.add_argument("--seq-len", type=cli.positive_int, default=64, metavar="T",
-                   help="tokens per sample")
-    p.add_argument("--micro-batch", type=cli.positive_int, default=1, metavar="B",
-                   help="samples per micro-batch")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
-                   help="gpipe: all forwards then all backwards (the C++ proxy's order)")
-    p.add_argument("--order", default="cpp", metavar="ORDER",
-                   help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
-                        "STAGES, as the C++ proxy), megatron = dp-pp (stage = rank // DP)")
+    p.add_argument(
+        "layers",
+        type=cli.positive_int,
+        nargs="?",
+        metavar="LAYERS",
+        help="transformer layers (default: the preset's depth)",
+    )
+    p.add_argument(
+        "stages",
+        type=cli.positive_int,
+        nargs="?",
+        default=1,
+        metavar="STAGES",
+        help="pipeline stages; data-parallel degree = world size / STAGES",
+    )
+    p.add_argument(
+        "micro_batches",
+        type=cli.positive_int,
+        nargs="?",
+        default=8,
+        metavar="MICROBATCHES",
+        help="micro-batches per iteration per replica",
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=DEFAULT_MODEL,
+        help="preset widths: gpt2 is 124M (C=768), gpt2-tiny is C=64 for tests",
+    )
+    p.add_argument(
+        "--seq-len", type=cli.positive_int, default=64, metavar="T", help="tokens per sample"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=cli.positive_int,
+        default=1,
+        metavar="B",
+        help="samples per micro-batch",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe"),
+        default="1f1b",
+        help="gpipe: all forwards then all backwards (the C++ proxy's order)",
+    )
+    p.add_argument(
+        "--order",
+        default="cpp",
+        metavar="ORDER",
+        help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
+        "STAGES, as the C++ proxy), megatron = dp-pp (stage = rank // DP)",
+    )
     p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--data", metavar="FILE",
-                   help="llm.c token file (.bin); default: synthetic tokens")
+    p.add_argument(
+        "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
+    )
     cli.add_common(p)
     return p
 
@@ -96,8 +132,18 @@ class GPT2Runtime:
     """Buffers and compute of one rank: the StageModel for real/replay compute, plain
     buffers of the right sizes for model/none."""
 
-    def __init__(self, cfg: GPT2Config, layers: range, first: bool, last: bool, args,
-                 dp: int, dp_rank: int, source, mode: str):
+    def __init__(
+        self,
+        cfg: GPT2Config,
+        layers: range,
+        first: bool,
+        last: bool,
+        args,
+        dp: int,
+        dp_rank: int,
+        source,
+        mode: str,
+    ):
         B, T, C, m = args.micro_batch, args.seq_len, cfg.n_embd, args.micro_batches
         self.B, self.T, self.C, self.m, self.dp = B, T, C, m, dp
         self.first, self.last = first, last
@@ -164,14 +210,18 @@ def make_job(args, world: int) -> runner.Job:
     cfg = cfg.with_layers(L)
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
     if pp > L:
-        raise cli.UsageError(f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at "
-                             "least one layer")
+        raise cli.UsageError(
+            f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at least one layer"
+        )
     if world % pp:
-        raise cli.UsageError(f"world size {world} is not a multiple of STAGES = {pp} (the "
-                             "data-parallel degree is world size / STAGES)")
+        raise cli.UsageError(
+            f"world size {world} is not a multiple of STAGES = {pp} (the "
+            "data-parallel degree is world size / STAGES)"
+        )
     if T > cfg.max_seq_len:
-        raise cli.UsageError(f"--seq-len {T} is longer than {args.model}'s context of "
-                             f"{cfg.max_seq_len}")
+        raise cli.UsageError(
+            f"--seq-len {T} is longer than {args.model}'s context of {cfg.max_seq_len}"
+        )
     if m > MAX_TAG_MICROBATCHES:
         raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
     if args.weight_decay < 0:
@@ -199,12 +249,19 @@ def make_job(args, world: int) -> runner.Job:
         first, last = s == 0, s == pp - 1
         pp_ranks = grid.group("pp", rank)
         fwd = stage_flops(cfg, split[s], last, B, T)
-        ops = pipeline_ops(schedule(pp, m, s), s, pp_ranks, 1, act,
-                           flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd)
+        ops = pipeline_ops(
+            schedule(pp, m, s),
+            s,
+            pp_ranks,
+            1,
+            act,
+            flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
+        )
         groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
         if dp > 1:
-            ops.append(Collective("allreduce", "dp", "grads",
-                                  stage_params(cfg, split[s], first, last)))
+            ops.append(
+                Collective("allreduce", "dp", "grads", stage_params(cfg, split[s], first, last))
+            )
         if pp > 1 and (first or last):
             groups["embed"] = (pp_ranks[0], pp_ranks[-1])
             ops.append(Collective("allreduce", "embed", "wte_grad", cfg.vocab_size * cfg.n_embd))
@@ -224,13 +281,30 @@ def make_job(args, world: int) -> runner.Job:
 
     sizes = sorted({len(r) for r in split})
     config = {
-        "model": args.model, "layers": L, "stages": pp, "micro_batches": m, "micro_batch": B,
-        "seq_len": T, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "vocab_size": cfg.vocab_size,
-        "params": cfg.num_params, "schedule": args.schedule, "order": grid.order, "dp": dp,
-        "global_batch": B * m * dp, "compute": args.compute, "lr": args.lr,
-        "weight_decay": args.weight_decay, "seed": args.seed, "iters": args.iters,
-        "warmup": args.warmup, "data": args.data or "synthetic", "check": args.check,
-        "allreduce": args.allreduce, "device_tflops": args.device_tflops,
+        "model": args.model,
+        "layers": L,
+        "stages": pp,
+        "micro_batches": m,
+        "micro_batch": B,
+        "seq_len": T,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "vocab_size": cfg.vocab_size,
+        "params": cfg.num_params,
+        "schedule": args.schedule,
+        "order": grid.order,
+        "dp": dp,
+        "global_batch": B * m * dp,
+        "compute": args.compute,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "data": args.data or "synthetic",
+        "check": args.check,
+        "allreduce": args.allreduce,
+        "device_tflops": args.device_tflops,
         "layers_per_stage": [len(r) for r in split],
     }
     header = [
@@ -245,8 +319,9 @@ def make_job(args, world: int) -> runner.Job:
         + (source.describe() if source is not None else args.data)
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
-    return runner.Job(PROG, "gpt2", config, grid, plan, ("pp", "dp", "embed"), label, header,
-                      runtime)
+    return runner.Job(
+        PROG, "gpt2", config, grid, plan, ("pp", "dp", "embed"), label, header, runtime
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,49 @@
+"""The README's commands, run as written, so the README cannot rot."""
+
+import os
+import re
+import shlex
+import sys
+
+import pytest
+from launch import ROOT, mpiexec, run
+
+README = open(os.path.join(ROOT, "README.md")).read()
+
+
+def commands(section: str) -> list[str]:
+    body = README.split(f"## {section}")[1].split("\n## ")[0]
+    blocks = re.findall(r"```sh\n(.*?)```", body, re.S)
+    lines = [line.split("  #")[0].strip() for b in blocks for line in b.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_quick_start_has_exactly_two_commands():
+    assert commands("Quick start") == ["./dev.sh run", "./dev.sh test"]
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(ROOT, ".venv/bin/python")),
+    reason="./dev.sh run would create a new environment",
+)
+def test_quick_start_run():
+    r = run(["./dev.sh", "run"], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "time per iteration" in r.stdout and "loss per iteration" in r.stdout
+
+
+EXAMPLES = commands("Examples")
+
+
+def test_examples_are_there():
+    assert any(c.startswith("mpiexec -n 32 python -m proxies.gpt2 64 8") for c in EXAMPLES)
+
+
+@pytest.mark.parametrize("command", EXAMPLES)
+def test_example(command):
+    argv = shlex.split(command)
+    argv = [mpiexec() if a == "mpiexec" else sys.executable if a == "python" else a for a in argv]
+    r = run(argv, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ("plan valid" if "--dry-run" in argv else "time per iteration") in r.stdout
+    assert "Traceback" not in r.stderr

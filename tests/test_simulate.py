@@ -1,0 +1,254 @@
+"""The plan simulator: matching, collectives, non-blocking waits, deadlock diagnosis, timing."""
+
+import re
+
+import pytest
+
+from proxies.core.pipeline import pipeline_ops
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.core.schedules import SCHEDULES
+from proxies.core.simulate import PlanError, simulate
+
+
+def pipeline_plans(name, pp, m, v=1):
+    acts = SCHEDULES[name]
+    return [Plan(s, tuple(pipeline_ops(acts(pp, m, s, v), s, range(pp), v, 16))) for s in range(pp)]
+
+
+def unfused(plan):
+    """The same plan with each send and each receive a batch of its own (sends first)."""
+    ops = []
+    for op in plan.ops:
+        if isinstance(op, P2P):
+            ops += [P2P("send", sends=(m,)) for m in op.sends]
+            ops += [P2P("recv", recvs=(m,)) for m in op.recvs]
+        else:
+            ops.append(op)
+    return Plan(plan.rank, tuple(ops), plan.groups)
+
+
+def fwd_bwd(rank, op):
+    return {"forward": 1.0, "backward": 2.0}.get(getattr(op, "name", ""), 0.0)
+
+
+def send(peer, tag=1, count=4, dtype="float32"):
+    return P2P("send", sends=(Msg(peer, tag, "x", 0, count, dtype),))
+
+
+def recv(peer, tag=1, count=4, dtype="float32"):
+    return P2P("recv", recvs=(Msg(peer, tag, "x", 0, count, dtype),))
+
+
+# --- point-to-point -------------------------------------------------------------------------
+
+
+def test_messages_complete_when_both_sides_are_posted():
+    plans = [
+        Plan(0, (Compute("forward", 0), send(1))),
+        Plan(1, (recv(0), Compute("backward", 0))),
+    ]
+    sim = simulate(plans, fwd_bwd)
+    assert sim.finish == {0: 1.0, 1: 3.0}
+    assert [(a, b) for a, b, _ in sim.spans[1]] == [(0.0, 1.0), (1.0, 3.0)]
+    assert sim.idle == {0: 2.0, 1: 1.0}
+
+
+def test_p2p_cost_is_added_after_the_last_match():
+    plans = [Plan(0, (send(1),)), Plan(1, (Compute("forward", 0), recv(0)))]
+    sim = simulate(plans, lambda r, op: 1.0 if isinstance(op, Compute) else 0.5)
+    assert sim.finish == {0: 1.5, 1: 1.5}
+
+
+def test_messages_pair_fifo_per_channel():
+    plans = [
+        Plan(0, (send(1, tag=7, count=1), send(1, tag=7, count=2))),
+        Plan(1, (recv(0, tag=7, count=1), recv(0, tag=7, count=2))),
+    ]
+    simulate(plans)
+    swapped = [plans[0], Plan(1, (recv(0, tag=7, count=2), recv(0, tag=7, count=1)))]
+    with pytest.raises(PlanError, match="mismatch"):
+        simulate(swapped)
+
+
+def test_count_and_dtype_mismatch_are_reported():
+    plans = [Plan(0, (send(1, count=4),)), Plan(1, (recv(0, count=5),))]
+    with pytest.raises(PlanError) as info:
+        simulate(plans)
+    text = str(info.value)
+    assert "rank 0 -> rank 1 tag 1" in text
+    assert "sends 4 float32" in text and "receives 5 float32" in text
+    with pytest.raises(PlanError, match="float16"):
+        simulate([Plan(0, (send(1),)), Plan(1, (recv(0, dtype="float16"),))])
+
+
+def test_count_mismatch_in_a_pipeline_is_reported():
+    plans = pipeline_plans("1f1b", 4, 8)
+    ops = list(plans[2].ops)
+    first = ops[0]  # recv_forward of micro-batch 0 from stage 1
+    ops[0] = P2P(first.name, recvs=(Msg(1, first.recvs[0].tag, "act_in", 0, 99),))
+    plans[2] = Plan(2, tuple(ops))
+    with pytest.raises(PlanError, match=r"rank 1 -> rank 2 .* sends 16 float32.* receives 99"):
+        simulate(plans)
+
+
+def test_peer_without_a_plan():
+    with pytest.raises(PlanError, match="rank 5, which has no plan"):
+        simulate([Plan(0, (send(5),))])
+
+
+# --- deadlocks ------------------------------------------------------------------------------
+
+
+def test_unfused_1f1b_deadlocks_and_names_the_blocked_ranks():
+    for pp in range(2, 7):
+        for m in range(pp, pp + 4):
+            plans = [unfused(p) for p in pipeline_plans("1f1b", pp, m)]
+            with pytest.raises(PlanError, match="deadlock") as info:
+                simulate(plans)
+            text = str(info.value)
+            blocked = re.findall(r"^  rank (\d+) at op \d+ (send|recv): ", text, re.M)
+            assert len(blocked) >= 2, text
+            assert "Step | Rank 0" in text
+
+
+def test_deadlock_report_says_what_each_rank_waits_for():
+    plans = [unfused(p) for p in pipeline_plans("1f1b", 2, 2)]
+    with pytest.raises(PlanError) as info:
+        simulate(plans, fwd_bwd)
+    text = str(info.value)
+    assert text.startswith("deadlock: 2 of 2 ranks cannot progress")
+    # stage 0 sends F1's output while stage 1 sends B0's gradient: both rendezvous sends wait
+    assert "rank 0 at op 3 send: send to rank 1 tag 3 has no matching recv (rank 1 is " in text
+    assert "rank 1 at op 3 send: send to rank 0 tag 2 has no matching recv (rank 0 is " in text
+    assert "it posts one at op 4" in text
+    # the compute actions done so far, as a Step x Rank grid
+    assert "Step | Rank 0 Rank 1\n   0 | F0     F0\n   1 | F1     B0" in text
+
+
+def test_fused_plans_do_not_deadlock():
+    for name in SCHEDULES:
+        simulate(pipeline_plans(name, 4, 8, 2 if name == "interleaved" else 1))
+
+
+def test_recv_without_send_is_a_deadlock():
+    with pytest.raises(
+        PlanError, match=r"recv from rank 0 tag 1 has no matching send \(rank 0 has"
+    ):
+        simulate([Plan(0, ()), Plan(1, (recv(0),))])
+
+
+# --- collectives ----------------------------------------------------------------------------
+
+
+def group_plans(ops_by_rank, group=(0, 1, 2)):
+    return [Plan(r, tuple(ops), groups={"dp": group}) for r, ops in enumerate(ops_by_rank)]
+
+
+def test_blocking_collective_ends_when_the_last_member_posts():
+    ar = Collective("allreduce", "dp", "grads", 100)
+    plans = group_plans([[Compute("forward", 0), ar], [ar], [Compute("backward", 0), ar]])
+    sim = simulate(plans, lambda r, op: 0.5 if isinstance(op, Collective) else fwd_bwd(r, op))
+    assert sim.finish == {0: 2.5, 1: 2.5, 2: 2.5}
+    assert sim.spans[1] == [(0.0, 2.5, ar)]
+
+
+def test_collective_mismatch_names_ranks_and_values():
+    plans = group_plans(
+        [
+            [Collective("allreduce", "dp", "g", 100)],
+            [Collective("allreduce", "dp", "g", 100)],
+            [Collective("allreduce", "dp", "g", 200)],
+        ]
+    )
+    with pytest.raises(PlanError) as info:
+        simulate(plans)
+    text = str(info.value)
+    assert "collective #0 on group 'dp' (ranks [0, 1, 2])" in text
+    assert "rank 0 op 0 posts allreduce of 100 float32" in text
+    assert "rank 2 op 0 posts allreduce of 200 float32" in text
+    kinds = group_plans(
+        [[Collective("allreduce", "dp", "g", 1)], [Collective("bcast", "dp", "g", 1)]], (0, 1)
+    )
+    with pytest.raises(PlanError, match="bcast"):
+        simulate(kinds)
+
+
+def test_nonblocking_collective_overlaps_until_its_wait():
+    ar = Collective("allreduce", "dp", "grads", 100, req="grads")
+    plans = group_plans(
+        [
+            [ar, Compute("backward", 0), Wait("grads")],  # waits after the collective ended
+            [Compute("forward", 0), ar, Wait("grads")],  # last to post
+            [ar, Wait("grads"), Compute("forward", 1)],  # waits before it ended
+        ]
+    )
+    sim = simulate(plans, fwd_bwd)
+    assert sim.finish == {0: 2.0, 1: 1.0, 2: 2.0}
+    assert sim.spans[0] == [(0.0, 1.0, ar), (0.0, 2.0, plans[0].ops[1]), (2.0, 2.0, Wait("grads"))]
+    assert sim.spans[2][:2] == [(0.0, 1.0, ar), (0.0, 1.0, Wait("grads"))]
+
+
+def test_nonblocking_errors():
+    ar = Collective("allreduce", "dp", "g", 1, req="r")
+    with pytest.raises(PlanError, match=r"Wait\('x'\) has no op in flight"):
+        simulate(group_plans([[Wait("x")]], (0,)))
+    with pytest.raises(PlanError, match="'r' is never waited"):
+        simulate(group_plans([[ar]], (0,)))
+    with pytest.raises(PlanError, match="already in flight"):
+        simulate(group_plans([[ar, ar, Wait("r")]], (0,)))
+
+
+def test_collective_deadlock_lists_the_missing_members():
+    ar = Collective("allreduce", "dp", "g", 1)
+    plans = group_plans([[ar], [ar], [recv(0)]])
+    with pytest.raises(PlanError) as info:
+        simulate(plans)
+    text = str(info.value)
+    assert (
+        "rank 0 at op 0 allreduce(dp): allreduce #0 on group 'dp' (3 ranks) waits for rank(s) [2]"
+        in text
+    )
+    assert "rank 2 is blocked at op 0 recv" in text
+    assert "rank 2 at op 0 recv: recv from rank 0 tag 1 has no matching send" in text
+
+
+def test_group_membership_errors():
+    ar = Collective("allreduce", "dp", "g", 1)
+    with pytest.raises(PlanError, match=r"group 'dp' = \[1, 2\] omits rank 0"):
+        simulate([Plan(0, (ar,), groups={"dp": (1, 2)})])
+    with pytest.raises(PlanError, match="not define"):
+        simulate([Plan(0, (ar,), groups={"tp": (0,)})])
+    plans = [
+        Plan(0, (ar,), groups={"dp": (0, 1)}),
+        Plan(1, (ar,), groups={"dp": (0, 1, 2)}),
+        Plan(2, (), groups={"dp": (0, 1, 2)}),
+    ]
+    with pytest.raises(PlanError, match=r"disagree on group 'dp': rank 0 has \[0, 1\], rank 1 has"):
+        simulate(plans)
+
+
+def test_groups_with_the_same_name_are_separate():
+    ar = Collective("allreduce", "dp", "g", 1)
+    plans = [
+        Plan(r, (Compute("forward", 0),) * r + (ar,), groups={"dp": (r % 2, r % 2 + 2)})
+        for r in range(4)
+    ]
+    sim = simulate(plans, fwd_bwd)
+    assert sim.finish == {0: 2.0, 1: 3.0, 2: 2.0, 3: 3.0}
+
+
+# --- scale ----------------------------------------------------------------------------------
+
+
+def test_thousand_ranks_pipeline_and_data_parallel():
+    pp, dp, m = 4, 256, 8
+    acts = [SCHEDULES["1f1b"](pp, m, s) for s in range(pp)]
+    plans = []
+    for r in range(pp * dp):
+        s, d = divmod(r, dp)
+        ops = pipeline_ops(acts[s], s, [q * dp + d for q in range(pp)], 1, 1000)
+        ops += [Collective("allreduce", "dp", "grads", 10**6, req="g"), Wait("g")]
+        plans.append(Plan(r, tuple(ops), groups={"dp": tuple(range(s * dp, (s + 1) * dp))}))
+    sim = simulate(plans, fwd_bwd)
+    assert sim.time == (m + pp - 1) * 3
+    assert len(sim.finish) == pp * dp
