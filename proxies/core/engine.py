@@ -31,7 +31,9 @@ from typing import Protocol
 
 import numpy as np
 
+from proxies.core import check
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.core.report import HIDDEN
 
 # Largest count per MPI call: MPI counts are C ints (2^31 - 1), so longer messages go as
 # consecutive pieces on the same tag (MPI keeps their order).
@@ -103,13 +105,6 @@ class Waiter:
         elif reqs:
             self._poll(lambda: self.MPI.Request.Testall(reqs))
 
-    def allreduce(self, comm, buf: np.ndarray) -> None:
-        MPI = self.MPI
-        if not self.yielding:
-            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        else:
-            self.waitall([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)])
-
     def barrier(self, comm) -> None:
         if not self.yielding:
             comm.Barrier()
@@ -149,7 +144,7 @@ class Engine:
         self.watchdog = watchdog
         self.fault = fault  # test hook: "corrupt", "stall" or "crash" on this rank
         self.iteration = 0
-        self.pending: dict[str, tuple] = {}
+        self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
 
     # -- compute ---------------------------------------------------------------------------
@@ -171,8 +166,8 @@ class Engine:
             buf = self._buffer(m)
             if self.check:
                 if self.mode != "real":
-                    self._fill(buf, m)
-                reqs.append(self.check_comm.Isend(self._checksum(buf), m.peer, m.tag))
+                    check.fill(buf, self._seed(m))
+                reqs.append(self.check_comm.Isend(check.checksum(buf), m.peer, m.tag))
                 if self.fault == "corrupt":
                     buf.reshape(-1)[:1] += 1  # after the checksum: the receiver must notice
             reqs += [comm.Isend(p, m.peer, m.tag) for p in _pieces(buf)]
@@ -215,73 +210,115 @@ class Engine:
         return buf
 
     # -- collectives -----------------------------------------------------------------------
-    def _collective(self, op: Collective, t: IterationTimes) -> None:
+    def _start(self, op: Collective, blocking: bool):
+        """Issue a collective; return its requests (empty when it ran blocking)."""
         MPI = self.MPI
         comm = self.comms[op.group]
         buf = self.runtime.buffer(op.buf, op.mb, 0)
+        n, flat = comm.size, buf.reshape(-1)
+        if op.kind in ("allgather", "reduce_scatter", "alltoall") and flat.size % n:
+            raise CheckError(
+                f"{op.kind} of {flat.size} elements over {n} ranks ({op.buf}): "
+                "not a multiple of the group size"
+            )
         if self.check and self.mode != "real":
-            self._fill(buf, op)
-        before = self._sums(buf) if self.check else None
-        if op.kind != "allreduce":
-            raise NotImplementedError(f"collective {op.kind} is not executed yet")
-        t0 = MPI.Wtime()
-        for piece in _pieces(buf):
-            self.waiter.allreduce(comm, piece)
-        dt = MPI.Wtime() - t0
-        t.collectives.append((op.group, op.category, dt))
+            check.fill(buf, self._seed(op))
+        state = check.before(MPI, op.kind, comm, buf) if self.check else None
+        spin = blocking and not self.waiter.yielding
+        reqs = []
+        if op.kind == "allreduce":
+            for piece in _pieces(buf):
+                if spin:
+                    comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
+                else:
+                    reqs.append(comm.Iallreduce(MPI.IN_PLACE, piece, op=MPI.SUM))
+        else:
+            # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants.
+            name, args = {
+                "allgather": ("llgather", (MPI.IN_PLACE, flat)),
+                "reduce_scatter": ("educe_scatter_block", (MPI.IN_PLACE, flat, MPI.SUM)),
+                "alltoall": ("lltoall", (MPI.IN_PLACE, flat)),
+                "bcast": ("cast", (flat, 0)),
+                "reduce": (
+                    "educe",
+                    (MPI.IN_PLACE, flat, MPI.SUM, 0)
+                    if comm.rank == 0
+                    else (flat, None, MPI.SUM, 0),
+                ),
+            }[op.kind]
+            head = op.kind[0].upper()
+            if spin:
+                getattr(comm, head + name)(*args)
+            else:
+                reqs.append(getattr(comm, "I" + head.lower() + name)(*args))
+        return buf, reqs, state
+
+    def _finish(self, op: Collective, buf: np.ndarray, state) -> None:
+        """After completion: place the reduce-scatter shard, run --check."""
+        comm = self.comms[op.group]
+        if op.kind == "reduce_scatter" and comm.rank:
+            # MPI leaves this rank's reduced block at the front; it belongs at its position.
+            blocks = check.blocks(buf, comm.size)
+            blocks[comm.rank][...] = blocks[0]
         if self.check:
-            self._verify_allreduce(comm, buf, before, op)
+            error = check.verify(self.MPI, op.kind, comm, buf, state)
+            if error:
+                raise CheckError(
+                    f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "
+                    f"{self.iteration}) on rank {self.world.rank}: {error}"
+                )
+
+    def _collective(self, op: Collective, t: IterationTimes) -> None:
+        MPI = self.MPI
+        t0 = MPI.Wtime()
+        buf, reqs, state = self._start(op, blocking=True)
+        self.waiter.waitall(reqs)
+        t.collectives.append((op.group, op.category, MPI.Wtime() - t0))
+        self._finish(op, buf, state)
+
+    def _post(self, op: Collective, t: IterationTimes) -> None:
+        """Start a non-blocking collective; it completes at Wait(op.req)."""
+        if op.req in self.pending:
+            raise CheckError(f"request {op.req!r} started twice")
+        t0 = self.MPI.Wtime()
+        buf, reqs, state = self._start(op, blocking=False)
+        t.seconds[op.category] += self.MPI.Wtime() - t0  # issuing it is exposed time
+        self.pending[op.req] = [op, buf, reqs, state, t0, None]
+
+    def _progress(self) -> None:
+        """Test pending requests: drives MPI progress between ops and notes completion."""
+        now = None
+        for entry in self.pending.values():
+            if entry[5] is None and self.MPI.Request.Testall(entry[2]):
+                entry[5] = now = now or self.MPI.Wtime()
+
+    def _wait(self, op: Wait, t: IterationTimes) -> None:
+        MPI = self.MPI
+        if op.req not in self.pending:
+            raise CheckError(f"wait for {op.req!r}, which was never started")
+        coll, buf, reqs, state, started, done = self.pending.pop(op.req)
+        t0 = MPI.Wtime()
+        self.waiter.waitall(reqs)
+        t1 = MPI.Wtime()
+        # Exposed: the time blocked here. Hidden: from the start until it was seen complete
+        # (or until this wait began), while this rank did other work.
+        t.seconds[coll.category] += t1 - t0
+        t.seconds[coll.category + HIDDEN] += (done if done is not None else t0) - started
+        self._finish(coll, buf, state)
 
     # -- --check ---------------------------------------------------------------------------
-    def _fill(self, buf: np.ndarray, key) -> None:
-        """Without real compute, give checked buffers content that differs per message."""
-        seed = zlib.crc32(repr((self.iteration, self.world.rank, key)).encode())
-        buf[...] = np.random.default_rng(seed).standard_normal(buf.shape, dtype=np.float32)
-
-    @staticmethod
-    def _checksum(buf: np.ndarray) -> np.ndarray:
-        return np.array(
-            [zlib.crc32(memoryview(buf.reshape(-1)).cast("B")), buf.size], dtype=np.int64
-        )
+    def _seed(self, key) -> int:
+        return zlib.crc32(repr((self.iteration, self.world.rank, key)).encode())
 
     def _verify_p2p(self, buf: np.ndarray, m: Msg) -> None:
         want = np.empty(2, dtype=np.int64)
         self.check_comm.Recv(want, m.peer, m.tag)
-        got = self._checksum(buf)
+        got = check.checksum(buf)
         if not np.array_equal(got, want):
             raise CheckError(
                 f"--check: rank {self.world.rank} received {m.buf} mb {m.mb} from rank "
                 f"{m.peer} (tag {m.tag}, iteration {self.iteration}) with crc32 {got[0]:#010x}, "
                 f"the sender sent {want[0]:#010x}"
-            )
-
-    _weights: np.ndarray | None = None
-
-    def _sums(self, buf: np.ndarray) -> np.ndarray:
-        """(sum w*x, sum w*|x|) in float64 with fixed pseudo-random weights w in [0.5, 1.5)."""
-        if Engine._weights is None:
-            Engine._weights = np.random.default_rng(12345).random(1 << 20) + 0.5
-        w, flat, out = Engine._weights, buf.reshape(-1), np.zeros(2)
-        for lo in range(0, flat.size, w.size):
-            x = flat[lo : lo + w.size].astype(np.float64)
-            out += (x @ w[: x.size], np.abs(x) @ w[: x.size])
-        return out
-
-    def _verify_allreduce(self, comm, buf, before, op: Collective) -> None:
-        MPI = self.MPI
-        inputs = np.empty(2)
-        comm.Allreduce(before, inputs, op=MPI.SUM)
-        got = self._sums(buf)[0]
-        # Each output element carries at most (n-1) float32 roundings of partial sums.
-        tol = 2 * comm.size * np.finfo(np.float32).eps * inputs[1] + 1e-30
-        crcs = np.empty(comm.size, dtype=np.int64)
-        comm.Allgather(self._checksum(buf)[:1], crcs)
-        if abs(got - inputs[0]) > tol or len(set(crcs.tolist())) != 1:
-            raise CheckError(
-                f"--check: {op.kind} over {op.group} ({op.buf}, iteration {self.iteration}) on "
-                f"rank {self.world.rank}: weighted sum of the result {got:.9g}, of the inputs "
-                f"{inputs[0]:.9g} (tolerance {tol:.3g}); results identical on all "
-                f"{comm.size} ranks: {len(set(crcs.tolist())) == 1}"
             )
 
     # -- one iteration ---------------------------------------------------------------------
@@ -305,11 +342,15 @@ class Engine:
             elif isinstance(op, P2P):
                 self._p2p(op, t)
             elif isinstance(op, Collective):
-                if op.req:
-                    raise NotImplementedError("non-blocking collectives are not executed yet")
-                self._collective(op, t)
+                (self._post if op.req else self._collective)(op, t)
+            elif isinstance(op, Wait):
+                self._wait(op, t)
             else:
                 raise NotImplementedError(f"op {op!r}")
+            if self.pending:
+                self._progress()
+        if self.pending:
+            raise CheckError(f"requests never waited for: {', '.join(self.pending)}")
         t.total = MPI.Wtime() - start
         return t
 

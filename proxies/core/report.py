@@ -21,11 +21,22 @@ LABELS = {
 }
 
 
+HIDDEN = "_hidden"  # communication that ran under other work: not part of the iteration's sum
+
+
 def ordered(categories) -> list[str]:
     cats = set(categories)
+    hidden = sorted(c for c in cats if c.endswith(HIDDEN))
     head = [c for c in LABELS if c in cats and c not in ("idle", "overhead")]
     tail = [c for c in ("idle", "overhead") if c in cats]
-    return head + sorted(cats - set(head) - set(tail)) + tail
+    return head + sorted(cats - set(head) - set(tail) - set(hidden)) + tail + hidden
+
+
+def label(category: str) -> str:
+    if category.endswith(HIDDEN):
+        base = category[: -len(HIDDEN)]
+        return f"{LABELS.get(base, base)}, hidden under other work"
+    return LABELS.get(category, category)
 
 
 def human_bytes(n: float) -> str:
@@ -104,20 +115,17 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
         btxt = ", ".join(
             (k[len(c) + 1 :] + " " if k != c else "") + human_bytes(max(byts[k])) for k in moved
         )
-        t.add_row(
-            LABELS.get(c, c),
-            f"{mean:.4f} s",
-            f"{mx:.4f} s",
-            f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-",
-            btxt,
-        )
+        share = f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-"
+        if c.endswith(HIDDEN):
+            share, btxt = "(overlapped)", ""
+        t.add_row(label(c), f"{mean:.4f} s", f"{mx:.4f} s", share, btxt)
     out.print(t)
 
     # Per rank group (e.g. pipeline stage): where imbalance and bubbles show.
     labels = result["rank_labels"]
     groups: dict[str, list[int]] = {}
-    for i, label in enumerate(labels):
-        groups.setdefault(label, []).append(i)
+    for i, name in enumerate(labels):
+        groups.setdefault(name, []).append(i)
     if len(groups) > 1:
         cats = list(result["breakdown_per_rank_s"])
         t = Table(
@@ -126,9 +134,9 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
         t.add_column("ranks")
         for c in cats:
             t.add_column(c, justify="right")
-        for label, idx in groups.items():
+        for name, idx in groups.items():
             t.add_row(
-                label,
+                name,
                 *(
                     f"{np.mean([result['breakdown_per_rank_s'][c][i] for i in idx]):.4f}"
                     for c in cats

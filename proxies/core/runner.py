@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxies.core import cli, report, threads
-from proxies.core.engine import CheckError, Engine, Waiter, describe, split_collective_waits
+from proxies.core.engine import (
+    HIDDEN,
+    CheckError,
+    Engine,
+    Waiter,
+    describe,
+    split_collective_waits,
+)
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 
@@ -281,7 +288,8 @@ def run(job: Job, args, MPI) -> int:
     watchdog.beat("collecting results")
     split_collective_waits(MPI, comms, timed)
     for t in timed:
-        t.seconds["overhead"] = max(0.0, t.total - sum(t.seconds.values()))
+        spent = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
+        t.seconds["overhead"] = max(0.0, t.total - spent)
     cats = sorted({c for t in timed for c in t.seconds})
     row = {
         "rank": rank,
