@@ -1,21 +1,34 @@
-"""python -m proxies PROXY [ARGS]: the same as python -m proxies.PROXY [ARGS]."""
+"""python -m proxies COMMAND [ARGS]: the same as python -m proxies.COMMAND [ARGS]."""
 
+import importlib.util
 import runpy
 import sys
 
-PROXIES = {"gpt2": "GPT-2, pipeline x data parallelism, real NumPy training"}
+COMMANDS = {
+    "gpt2": "GPT-2: pipeline x data parallelism, real NumPy training",
+    "gpt3": "GPT-3 (+MoE): data x tensor x pipeline (x expert) parallelism",
+    "cosmoflow": "CosmoFlow: 3D CNN, spatial x data parallelism",
+    "dlrm": "DLRM: model-parallel embeddings x data-parallel MLPs",
+    "collectives": "allreduce algorithms benchmark (nccl-tests style table)",
+    "sweep": "run a YAML scaling sweep",
+    "report": "tables and plots of a sweep's results",
+}
+
+
+def available() -> dict[str, str]:
+    return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(f"proxies.{k}")}
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in PROXIES:
+    commands = available()
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        code = 0
         if len(sys.argv) >= 2 and sys.argv[1] not in ("-h", "--help"):
-            print(f"proxies: error: unknown proxy {sys.argv[1]!r}", file=sys.stderr)
+            print(f"proxies: error: unknown command {sys.argv[1]!r}", file=sys.stderr)
             code = 2
-        else:
-            code = 0
-        print("usage: python -m proxies PROXY [ARGS]   (or python -m proxies.PROXY [ARGS])\n")
-        for name, what in PROXIES.items():
-            print(f"  {name:10} {what}")
+        print("usage: python -m proxies COMMAND [ARGS]   (or python -m proxies.COMMAND [ARGS])\n")
+        for name, what in commands.items():
+            print(f"  {name:12} {what}")
         sys.exit(code)
     name = sys.argv.pop(1)
     sys.argv[0] = f"proxies.{name}"
