@@ -154,8 +154,9 @@ class Engine:
         elif self.mode == "replay":
             time.sleep(self.replay.get((op.name, op.chunk), 0.0))
         elif self.mode == "model":
-            if op.flops:
-                time.sleep(op.flops / self.rate)
+            duration = op.model_seconds(self.rate)
+            if duration:
+                time.sleep(duration)
 
     # -- point to point --------------------------------------------------------------------
     def _p2p(self, op: P2P, t: IterationTimes) -> None:

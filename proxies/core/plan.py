@@ -39,7 +39,12 @@ class Compute:
     mb: int = -1  # micro-batch, -1 when the op is not per micro-batch
     chunk: int = 0  # model chunk (virtual stage) for interleaved schedules
     flops: float = 0.0  # floating-point operations, for compute=model
+    seconds: float = 0.0  # compute=model duration when known (e.g. measured on a GPU)
     category: str = "compute"
+
+    def model_seconds(self, rate: float) -> float:
+        """compute=model: the known duration, else flops at `rate` FLOP/s."""
+        return self.seconds if self.seconds else self.flops / rate
 
 
 @dataclass(frozen=True)

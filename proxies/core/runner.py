@@ -102,7 +102,7 @@ def dry_run(job: Job, args) -> int:
     rate = args.device_tflops * 1e12
     try:
         sim = simulate(
-            plans, cost=lambda rank, op: op.flops / rate if isinstance(op, Compute) else 0.0
+            plans, cost=lambda rank, op: op.model_seconds(rate) if isinstance(op, Compute) else 0.0
         )
     except PlanError as e:
         from rich.markup import escape
@@ -110,11 +110,13 @@ def dry_run(job: Job, args) -> int:
         console.print(f"[bold red]plan is invalid[/]: {escape(str(e))}")
         return 1
     nmsg = sum(1 for p in plans for _, _, d in p.messages() if d == "send")
-    busy = max(sum(op.flops for op in p.ops if isinstance(op, Compute)) for p in plans) / rate
+    computes = ([op for op in p.ops if isinstance(op, Compute)] for p in plans)
+    busy = max(sum(op.model_seconds(rate) for op in ops) for ops in computes)
     console.print(
         f"plan valid: {world} ranks, {nmsg:,} messages matched, no deadlock. Predicted "
-        f"iteration at {args.device_tflops:g} TFLOP/s with free communication: "
-        f"{sim.time:.4f} s (busiest rank computes {busy:.4f} s; the rest is pipeline bubble)"
+        f"iteration with compute=model (--device-tflops {args.device_tflops:g}) and free "
+        f"communication: {sim.time:.4f} s (busiest rank computes {busy:.4f} s; the rest is "
+        f"waiting on the pipeline)"
     )
     if args.json:
         report.write_json(
