@@ -1,0 +1,410 @@
+"""The GPT-2 layers one pipeline stage holds: flat parameters, forward, backward, AdamW.
+
+Letters as in config.py: B batch (micro-batch), T time, C channels, NH heads, V vocabulary,
+L layers. A whole single-process model is StageModel(cfg, range(cfg.n_layer), True, True, B, T).
+
+Parameters live in one flat array (and gradients in another of the same layout) so that a
+data-parallel allreduce is one call on `grads`. The first stage holds wte and wpe, the last
+ln_f and the LM head, which is the tied wte: with more than one stage, wte exists on both and
+the caller sums grads[wte_slice] between them before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxies.gpt2.config import GPT2Config
+from proxies.gpt2.kernels import (
+    adamw_update,
+    attention_backward,
+    attention_forward,
+    classifier_backward,
+    classifier_forward,
+    encoder_backward,
+    encoder_forward,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    matmul_backward,
+    matmul_forward,
+    residual_forward,
+)
+
+# One transformer layer's tensors, named as in nanoGPT and the HF checkpoint (weights (OC,C)).
+LAYER_TENSORS = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+)
+
+
+def layer_shapes(C: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (3 * C, C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (4 * C, C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (C, 4 * C),
+        "mlp.c_proj.bias": (C,),
+    }
+
+
+@dataclass
+class LayerActs:
+    """What one layer's forward saves for its backward; inp is the previous layer's res3."""
+
+    inp: np.ndarray  # (B,T,C) layer input (a view of another buffer, never written here)
+    ln1: np.ndarray  # (B,T,C)
+    ln1_mean: np.ndarray  # (B,T)
+    ln1_rstd: np.ndarray  # (B,T)
+    qkv: np.ndarray  # (B,T,3C)
+    att: np.ndarray  # (B,NH,T,T) softmax
+    atty: np.ndarray  # (B,T,C) attention output before c_proj
+    res2: np.ndarray  # (B,T,C) inp + attention branch
+    ln2: np.ndarray  # (B,T,C)
+    ln2_mean: np.ndarray  # (B,T)
+    ln2_rstd: np.ndarray  # (B,T)
+    fch: np.ndarray  # (B,T,4C)
+    fch_gelu: np.ndarray  # (B,T,4C)
+    res3: np.ndarray  # (B,T,C) res2 + MLP branch: the layer output
+
+
+@dataclass
+class StageActs:
+    """One micro-batch's saved state on this stage; buffers are pooled and reused."""
+
+    inp: np.ndarray  # (B,T,C) stage input: the encoder output, or a copy of the received x
+    layers: list[LayerActs]
+    tokens: np.ndarray | None = None  # (B,T) first stage
+    targets: np.ndarray | None = None  # (B,T) last stage
+    lnf: np.ndarray | None = None  # (B,T,C) last stage, and its mean, rstd (B,T)
+    lnf_mean: np.ndarray | None = None
+    lnf_rstd: np.ndarray | None = None
+    lse: np.ndarray | None = None  # (B,T) log-sum-exp of the logits
+    loss_scale: float = 1.0
+    out: np.ndarray = field(init=False)  # (B,T,C) stage output, a view of the last buffer
+
+    def __post_init__(self) -> None:
+        self.out = self.layers[-1].res3 if self.layers else self.inp
+
+
+class StageModel:
+    """GPT-2 layers `layers` (global indices), plus embeddings if `first`, ln_f + head if `last`."""
+
+    def __init__(
+        self,
+        cfg: GPT2Config,
+        layers: range,
+        first: bool,
+        last: bool,
+        B: int,
+        T: int,
+        seed: int = 0,
+        dtype=np.float32,
+    ) -> None:
+        if B <= 0 or not 0 < T <= cfg.max_seq_len:
+            raise ValueError(
+                f"need B > 0 and 0 < T <= max_seq_len = {cfg.max_seq_len}, got B={B} T={T}"
+            )
+        if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.n_layer):
+            raise ValueError(f"layers {layers} outside 0..{cfg.n_layer - 1}")
+        self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
+        self.B, self.T, self.seed, self.dtype = B, T, seed, np.dtype(dtype)
+        C, V = cfg.n_embd, cfg.vocab_size
+
+        # layout: wte first (when held), then wpe, the layers, ln_f
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        if first or last:
+            shapes.append(("wte", (V, C)))
+        if first:
+            shapes.append(("wpe", (cfg.max_seq_len, C)))
+        for l in layers:
+            shapes += [(f"h.{l}.{n}", s) for n, s in layer_shapes(C).items()]
+        if last:
+            shapes += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
+        self.layout: list[tuple[str, tuple[int, ...], int]] = []
+        offset = 0
+        for name, shape in shapes:
+            self.layout.append((name, shape, offset))
+            offset += math.prod(shape)
+        assert len(layers) * cfg.layer_params == sum(
+            math.prod(s) for n, s in shapes if n.startswith("h.")
+        )
+        self.num_params = offset
+        self.params = np.zeros(offset, dtype=self.dtype)
+        self.grads = np.zeros(offset, dtype=self.dtype)
+        self.views = self._views(self.params)
+        self.grad_views = self._views(self.grads)
+        self.wte_slice = slice(0, V * C) if first or last else None
+        # per layer: {"ln_1.weight": view, ...} without the "h.{l}." prefix
+        self._layer_views = {
+            l: {n: self.views[f"h.{l}.{n}"] for n in LAYER_TENSORS} for l in layers
+        }
+        self._layer_grads = {
+            l: {n: self.grad_views[f"h.{l}.{n}"] for n in LAYER_TENSORS} for l in layers
+        }
+        self._init_params()
+
+        self.m: np.ndarray | None = None  # AdamW moments, allocated on the first step
+        self.v: np.ndarray | None = None
+        self.t = 0
+        self._saved: dict[int, StageActs] = {}  # micro-batches in flight
+        self._pool: list[StageActs] = []  # freed saved states, reused by later forwards
+        self._scratch: dict[str, np.ndarray] | None = None  # backward's per-layer gradients
+
+    def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        return {n: flat[o : o + math.prod(s)].reshape(s) for n, s, o in self.layout}
+
+    def _init_params(self) -> None:
+        """GPT-2 init from (seed, global tensor) only, so every pipeline split starts equal.
+
+        Weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 L)), biases 0,
+        layernorm weights 1. Drawn in float64, then cast: float32 and float64 agree.
+        """
+        cfg, w = self.cfg, self.views
+        if "wte" in w:
+            _normal(w["wte"], np.random.default_rng([self.seed, 0, 0]), 0.02)
+        if "wpe" in w:
+            _normal(w["wpe"], np.random.default_rng([self.seed, 0, 1]), 0.02)
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        for l in self.layers:
+            rng = np.random.default_rng([self.seed, 1, l])
+            for n in LAYER_TENSORS:
+                p = w[f"h.{l}.{n}"]
+                if n.startswith("ln_") and n.endswith("weight"):
+                    p.fill(1.0)
+                elif n.endswith("weight"):
+                    _normal(p, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
+        if self.last:
+            w["ln_f.weight"].fill(1.0)
+
+    # ------------------------------------------------------------------------------------
+    # activations
+
+    def _alloc_acts(self) -> StageActs:
+        B, T, C, NH = self.B, self.T, self.cfg.n_embd, self.cfg.n_head
+
+        def e(*shape: int) -> np.ndarray:
+            return np.empty(shape, dtype=self.dtype)
+
+        inp = e(B, T, C)
+        layers: list[LayerActs] = []
+        for _ in self.layers:
+            layers.append(
+                LayerActs(
+                    inp=layers[-1].res3 if layers else inp,
+                    ln1=e(B, T, C),
+                    ln1_mean=e(B, T),
+                    ln1_rstd=e(B, T),
+                    qkv=e(B, T, 3 * C),
+                    att=e(B, NH, T, T),
+                    atty=e(B, T, C),
+                    res2=e(B, T, C),
+                    ln2=e(B, T, C),
+                    ln2_mean=e(B, T),
+                    ln2_rstd=e(B, T),
+                    fch=e(B, T, 4 * C),
+                    fch_gelu=e(B, T, 4 * C),
+                    res3=e(B, T, C),
+                )
+            )
+        a = StageActs(inp, layers)
+        if self.first:
+            a.tokens = np.empty((B, T), dtype=np.int64)
+        if self.last:
+            a.targets = np.empty((B, T), dtype=np.int64)
+            a.lnf, a.lnf_mean, a.lnf_rstd, a.lse = e(B, T, C), e(B, T), e(B, T), e(B, T)
+        return a
+
+    def _get_scratch(self) -> dict[str, np.ndarray]:
+        if self._scratch is None:
+            B, T, C = self.B, self.T, self.cfg.n_embd
+            shapes = {"dln": C, "datty": C, "dqkv": 3 * C, "dfch": 4 * C, "dfch_gelu": 4 * C}
+            self._scratch = {k: np.empty((B, T, n), dtype=self.dtype) for k, n in shapes.items()}
+        return self._scratch
+
+    # ------------------------------------------------------------------------------------
+    # forward
+
+    def forward(
+        self, mb: int, x: np.ndarray, targets: np.ndarray | None = None, loss_scale: float = 1.0
+    ) -> np.ndarray | float:
+        """Forward of micro-batch `mb`; saves what backward(mb) needs.
+
+        x: tokens (B,T) int on the first stage, else the activation (B,T,C) from the previous
+        stage (copied, so the caller may reuse its buffer). Returns the output activation
+        (B,T,C), a buffer valid until backward(mb) or free(mb); on the last stage instead the
+        mean cross-entropy over B*T against targets (B,T), and backward will compute the
+        gradient of loss_scale * loss.
+        """
+        if mb in self._saved:
+            raise ValueError(f"micro-batch {mb} is already in flight on this stage")
+        B, T, C = self.B, self.T, self.cfg.n_embd
+        _expect("tokens" if self.first else "activation", x, (B, T) if self.first else (B, T, C))
+        if self.last:
+            _expect("targets", targets, (B, T))
+        w = self.views
+        a = self._pool.pop() if self._pool else self._alloc_acts()
+        if self.first:
+            a.tokens[...] = x
+            encoder_forward(a.inp, a.tokens, w["wte"], w["wpe"])
+        else:
+            a.inp[...] = x
+        for l, la in zip(self.layers, a.layers, strict=True):
+            self._layer_forward(l, la)
+        if not self.last:
+            self._saved[mb] = a
+            return a.out
+        a.targets[...] = targets
+        a.loss_scale = float(loss_scale)
+        layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.out, w["ln_f.weight"], w["ln_f.bias"])
+        loss = classifier_forward(a.lse, a.lnf, w["wte"], a.targets)
+        self._saved[mb] = a  # only now: a forward that raised leaves nothing in flight
+        return loss
+
+    def _layer_forward(self, l: int, a: LayerActs) -> None:
+        w, NH = self._layer_views[l], self.cfg.n_head
+        proj = a.res3  # holds each branch's projection until the residual add overwrites it
+        layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w["ln_1.weight"], w["ln_1.bias"])
+        matmul_forward(a.qkv, a.ln1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])
+        attention_forward(a.atty, a.att, a.qkv, NH)
+        matmul_forward(proj, a.atty, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+        residual_forward(a.res2, a.inp, proj)
+        layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w["ln_2.weight"], w["ln_2.bias"])
+        matmul_forward(a.fch, a.ln2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])
+        gelu_forward(a.fch_gelu, a.fch)
+        matmul_forward(proj, a.fch_gelu, w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
+        residual_forward(a.res3, a.res2, proj)
+
+    # ------------------------------------------------------------------------------------
+    # backward
+
+    def backward(self, mb: int, dout: np.ndarray | None = None) -> np.ndarray | None:
+        """Backward of micro-batch `mb`: accumulates into grads and frees mb's saved state.
+
+        dout (B,T,C) is the gradient w.r.t. this stage's output (None on the last stage).
+        Returns the gradient w.r.t. the stage input (B,T,C), a new array the caller owns, or
+        None on the first stage.
+        """
+        if mb not in self._saved:
+            raise ValueError(f"micro-batch {mb} has no forward in flight on this stage")
+        B, T, C = self.B, self.T, self.cfg.n_embd
+        a = self._saved.pop(mb)
+        w, g = self.views, self.grad_views
+        dres = np.zeros((B, T, C), dtype=self.dtype)  # gradient of the residual stream
+        if self.last:
+            dlnf = self._get_scratch()["dln"]
+            dlnf.fill(0)
+            classifier_backward(dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale)
+            wn, bn = "ln_f.weight", "ln_f.bias"
+            layernorm_backward(dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd)
+        else:
+            _expect("gradient", dout, (B, T, C))
+            dres[...] = dout
+        for l, la in zip(reversed(self.layers), reversed(a.layers), strict=True):
+            self._layer_backward(l, la, dres)
+        self._pool.append(a)
+        if self.first:
+            encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
+            return None
+        return dres
+
+    def _layer_backward(self, l: int, a: LayerActs, dres: np.ndarray) -> None:
+        """dres holds dL/d(res3) on entry and dL/d(inp) on exit.
+
+        A residual add passes its gradient unchanged to both branches, so dres itself is
+        each branch's dout and the branch's layernorm_backward adds into it: residual_backward
+        without the copies.
+        """
+        w, g, NH = self._layer_views[l], self._layer_grads[l], self.cfg.n_head
+        s = self._get_scratch()
+        for buf in s.values():
+            buf.fill(0)
+        # MLP branch: dres = dL/d(res3) -> dL/d(res2)
+        wn = "mlp.c_proj.weight"
+        matmul_backward(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn])
+        gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
+        wn = "mlp.c_fc.weight"
+        matmul_backward(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn])
+        wn, bn = "ln_2.weight", "ln_2.bias"
+        layernorm_backward(dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd)
+        # attention branch: dres = dL/d(res2) -> dL/d(inp)
+        wn = "attn.c_proj.weight"
+        matmul_backward(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn])
+        attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH)
+        s["dln"].fill(0)
+        wn = "attn.c_attn.weight"
+        matmul_backward(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn])
+        wn, bn = "ln_1.weight", "ln_1.bias"
+        layernorm_backward(dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd)
+
+    def free(self, mb: int) -> None:
+        """Drop mb's saved state without a backward (evaluation-only forwards)."""
+        self._pool.append(self._saved.pop(mb))
+
+    # ------------------------------------------------------------------------------------
+    # optimizer and FLOPs
+
+    def zero_grad(self) -> None:
+        self.grads.fill(0)
+
+    def step(self, lr: float, weight_decay: float = 0.0) -> None:
+        """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer."""
+        if self.m is None:
+            self.m = np.zeros_like(self.params)
+            self.v = np.zeros_like(self.params)
+        self.t += 1
+        adamw_update(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
+
+    def flops_forward(self) -> float:
+        """Forward FLOPs of one micro-batch: 2 * multiply-adds of every matmul.
+
+        Per layer 2*B*T*12C^2 (qkv 3C^2, proj C^2, fc 4C^2, fcproj 4C^2) plus attention's
+        QK^T and AV over the full T x T square as computed, 2 * 2*B*T*T*C; on the last stage
+        the LM head 2*B*T*C*V. Layernorm, GELU, softmax and the embeddings are not counted.
+        """
+        B, T, C, V = self.B, self.T, self.cfg.n_embd, self.cfg.vocab_size
+        flops = len(self.layers) * (2.0 * B * T * 12 * C * C + 4.0 * B * T * T * C)
+        if self.last:
+            flops += 2.0 * B * T * C * V
+        return flops
+
+    def flops_backward(self) -> float:
+        """Backward FLOPs of one micro-batch: twice the forward (gradients of input and weight)."""
+        return 2.0 * self.flops_forward()
+
+
+def _normal(out: np.ndarray, rng: np.random.Generator, std: float) -> None:
+    """out = N(0, std) drawn in float64 a block of rows at a time (bounded temporary)."""
+    rows = out.reshape(out.shape[0], -1)
+    step = max(1, (1 << 20) // rows.shape[1])
+    for i in range(0, rows.shape[0], step):
+        block = rng.standard_normal(rows[i : i + step].shape)
+        block *= std
+        rows[i : i + step] = block
+
+
+def _expect(what: str, x: np.ndarray | None, shape: tuple[int, ...]) -> None:
+    if x is None or np.shape(x) != shape:
+        raise ValueError(
+            f"{what} must have shape {shape}, got {None if x is None else np.shape(x)}"
+        )
