@@ -122,3 +122,16 @@ def test_a_crashing_rank_ends_the_job_with_one_traceback():
     assert r.returncode != 0
     assert "rank 3 failed" in r.stderr
     assert r.stderr.count("Traceback") == 1
+
+
+def test_llmc_token_file_trains_the_same_in_every_layout(tmp_path):
+    import numpy as np
+
+    from proxies.gpt2.data import write_token_file
+
+    path = tmp_path / "tokens.bin"
+    write_token_file(str(path), np.random.default_rng(3).integers(0, 50257, 5000))
+    ref = losses(tmp_path, 1, 4, 1, 8, "--data", str(path))
+    got = losses(tmp_path, 4, 4, 2, 4, "--data", str(path))
+    assert got["config"]["data"] == str(path)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
