@@ -12,14 +12,23 @@ from proxies.core.plan import Collective, Compute, Plan, Wait
 MPI = mpi.init()
 world = MPI.COMM_WORLD
 n, r = world.size, world.rank
-COUNT = int(sys.argv[1]) * n  # elements of the whole array: a multiple of the group size
+EVEN = int(sys.argv[1]) * n  # elements of the whole array
+EXTRA = int(sys.argv[3])  # added to all but alltoall: blocks of unequal sizes
 WAIT = sys.argv[2]  # spin or yield
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
 
 
+def count(kind: str) -> int:
+    return EVEN if kind == "alltoall" else EVEN + EXTRA
+
+
 def data(rank: int, kind: str) -> np.ndarray:
     seed = [rank, KINDS.index(kind)]
-    return np.random.default_rng(seed).standard_normal(COUNT).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(count(kind)).astype(np.float32)
+
+
+def block(x: np.ndarray, i: int) -> np.ndarray:
+    return np.array_split(x, n)[i]
 
 
 class Runtime:
@@ -38,17 +47,16 @@ class Runtime:
 
 def expected(kind: str) -> np.ndarray:
     inputs = [data(i, kind) for i in range(n)]
-    k = COUNT // n
     if kind == "allreduce":
         return np.sum(inputs, axis=0, dtype=np.float64)
     if kind == "reduce":
         return np.sum(inputs, axis=0, dtype=np.float64) if r == 0 else inputs[r]
     if kind == "allgather":
-        return np.concatenate([inputs[i][i * k : (i + 1) * k] for i in range(n)])
+        return np.concatenate([block(inputs[i], i) for i in range(n)])
     if kind == "reduce_scatter":
-        return np.sum(inputs, axis=0, dtype=np.float64)[r * k : (r + 1) * k]
+        return block(np.sum(inputs, axis=0, dtype=np.float64), r)
     if kind == "alltoall":
-        return np.concatenate([inputs[i][r * k : (r + 1) * k] for i in range(n)])
+        return np.concatenate([block(inputs[i], r) for i in range(n)])
     if kind == "bcast":
         return inputs[0]
 
@@ -57,7 +65,7 @@ for nonblocking in (False, True):
     ops = []
     for kind in KINDS:
         req = f"{kind}-req" if nonblocking else ""
-        ops.append(Collective(kind, "world", kind, COUNT, req=req))
+        ops.append(Collective(kind, "world", kind, count(kind), req=req))
         ops.append(Compute("forward"))
     ops += [Wait(f"{kind}-req") for kind in KINDS] if nonblocking else []
     plan = Plan(r, tuple(ops), {"world": tuple(range(n))})
@@ -68,8 +76,7 @@ for nonblocking in (False, True):
     for kind in KINDS:
         got = rt.bufs[kind]
         if kind == "reduce_scatter":
-            k = COUNT // n
-            got = got[r * k : (r + 1) * k]
+            got = block(got, r)
         want = expected(kind)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * n, err_msg=kind)
     if nonblocking:

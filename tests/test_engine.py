@@ -10,8 +10,11 @@ DRIVER = os.path.join(ROOT, "tests", "engine_driver.py")
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-@pytest.mark.parametrize("per_rank,wait", [(1, "spin"), (1000, "yield"), (0, "spin")])
-def test_collectives_equal_numpy(ranks, per_rank, wait):
-    r = run([mpiexec(), "-n", str(ranks), sys.executable, DRIVER, str(per_rank), wait], 90)
+@pytest.mark.parametrize(
+    "per_rank,wait,extra", [(1, "spin", 0), (1000, "yield", 3), (0, "spin", 0), (5, "spin", 1)]
+)
+def test_collectives_equal_numpy(ranks, per_rank, wait, extra):
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, DRIVER, str(per_rank), wait, str(extra)]
+    r = run(cmd, 90)
     assert r.returncode == 0, r.stderr
     assert "engine collectives OK" in r.stdout

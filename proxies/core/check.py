@@ -3,7 +3,7 @@
 Point-to-point: the receiver compares the crc32 of what arrived with the crc32 the sender
 computed before sending (sent beside it on a duplicate communicator).
 
-Collectives, each checked against what the math says (n = group size, blocks of count/n):
+Collectives, each checked against what the math says (n = group size, `blocks`):
 - allreduce: sum_j w_j out_j == sum over ranks of sum_j w_j in_j, for fixed pseudo-random
   weights w, within the float32 rounding bound; and every rank holds identical bytes;
 - reduce_scatter: the same weighted sum, block by block, for this rank's block;
@@ -49,9 +49,9 @@ def weighted_sums(x: np.ndarray) -> np.ndarray:
 
 
 def blocks(buf: np.ndarray, n: int) -> list[np.ndarray]:
-    flat = buf.reshape(-1)
-    k = flat.size // n
-    return [flat[i * k : (i + 1) * k] for i in range(n)]
+    """The n blocks of a collective's whole array: sizes differ by at most one element, the
+    larger ones first (np.array_split), so any count works."""
+    return np.array_split(buf.reshape(-1), n)
 
 
 def before(MPI, kind: str, comm, buf: np.ndarray):

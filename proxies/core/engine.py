@@ -212,46 +212,58 @@ class Engine:
 
     # -- collectives -----------------------------------------------------------------------
     def _start(self, op: Collective, blocking: bool):
-        """Issue a collective; return its requests (empty when it ran blocking)."""
+        """Issue a collective; return (buffer, requests, check state). Requests are empty
+        when it ran blocking. The whole array splits into check.blocks: sizes differing by
+        at most one, so reduce_scatter and allgather take any count (the v-variants when
+        uneven); alltoall needs equal blocks."""
         MPI = self.MPI
         comm = self.comms[op.group]
         buf = self.runtime.buffer(op.buf, op.mb, 0)
         n, flat = comm.size, buf.reshape(-1)
-        if op.kind in ("allgather", "reduce_scatter", "alltoall") and flat.size % n:
+        if op.kind == "alltoall" and flat.size % n:
             raise CheckError(
-                f"{op.kind} of {flat.size} elements over {n} ranks ({op.buf}): "
+                f"alltoall of {flat.size} elements over {n} ranks ({op.buf}): "
                 "not a multiple of the group size"
             )
         if self.check and self.mode != "real":
             check.fill(buf, self._seed(op))
         state = check.before(MPI, op.kind, comm, buf) if self.check else None
         spin = blocking and not self.waiter.yielding
-        reqs = []
+        # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
+        # being elementwise, is also cut into pieces.
+        calls = []
         if op.kind == "allreduce":
-            for piece in _pieces(buf):
-                if spin:
-                    comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
-                else:
-                    reqs.append(comm.Iallreduce(MPI.IN_PLACE, piece, op=MPI.SUM))
+            calls = [("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM)) for piece in _pieces(buf)]
+        elif op.kind in ("allgather", "reduce_scatter") and flat.size % n:
+            counts = [b.size for b in check.blocks(flat, n)]
+            displs = np.cumsum([0] + counts[:-1]).tolist()
+            spec = [flat, (counts, displs), MPI._typedict[flat.dtype.char]]
+            calls = [
+                ("Allgatherv", (MPI.IN_PLACE, spec))
+                if op.kind == "allgather"
+                else ("Reduce_scatter", (MPI.IN_PLACE, flat, counts, MPI.SUM))
+            ]
         else:
-            # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants.
-            name, args = {
-                "allgather": ("llgather", (MPI.IN_PLACE, flat)),
-                "reduce_scatter": ("educe_scatter_block", (MPI.IN_PLACE, flat, MPI.SUM)),
-                "alltoall": ("lltoall", (MPI.IN_PLACE, flat)),
-                "bcast": ("cast", (flat, 0)),
-                "reduce": (
-                    "educe",
-                    (MPI.IN_PLACE, flat, MPI.SUM, 0)
-                    if comm.rank == 0
-                    else (flat, None, MPI.SUM, 0),
-                ),
-            }[op.kind]
-            head = op.kind[0].upper()
+            calls = [
+                {
+                    "allgather": ("Allgather", (MPI.IN_PLACE, flat)),
+                    "reduce_scatter": ("Reduce_scatter_block", (MPI.IN_PLACE, flat, MPI.SUM)),
+                    "alltoall": ("Alltoall", (MPI.IN_PLACE, flat)),
+                    "bcast": ("Bcast", (flat, 0)),
+                    "reduce": (
+                        "Reduce",
+                        (MPI.IN_PLACE, flat, MPI.SUM, 0)
+                        if comm.rank == 0
+                        else (flat, None, MPI.SUM, 0),
+                    ),
+                }[op.kind]
+            ]
+        reqs = []
+        for name, args in calls:
             if spin:
-                getattr(comm, head + name)(*args)
+                getattr(comm, name)(*args)
             else:
-                reqs.append(getattr(comm, "I" + head.lower() + name)(*args))
+                reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
         return buf, reqs, state
 
     def _finish(self, op: Collective, buf: np.ndarray, state) -> None:
@@ -260,7 +272,7 @@ class Engine:
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
             blocks = check.blocks(buf, comm.size)
-            blocks[comm.rank][...] = blocks[0]
+            blocks[comm.rank][...] = buf.reshape(-1)[: blocks[comm.rank].size]
         if self.check:
             error = check.verify(self.MPI, op.kind, comm, buf, state)
             if error:

@@ -6,6 +6,7 @@ NH heads, hs = C / NH head size, V vocabulary, L layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 
@@ -39,6 +40,63 @@ class GPT2Config:
 
     def with_layers(self, n_layer: int) -> GPT2Config:
         return replace(self, n_layer=n_layer)
+
+
+# One transformer layer's 12 tensors, named as in nanoGPT / the HF checkpoint; weights (OC, C).
+def layer_shapes(C: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (3 * C, C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (4 * C, C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (C, 4 * C),
+        "mlp.c_proj.bias": (C,),
+    }
+
+
+def stage_layout(
+    cfg: GPT2Config, layers: range, first: bool, last: bool
+) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, offset) of every tensor a pipeline stage holds, in its flat buffer:
+    wte first (held by the first and the last stage: the LM head is tied), then wpe, the
+    layers, ln_f."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    if first or last:
+        shapes.append(("wte", (V, C)))
+    if first:
+        shapes.append(("wpe", (cfg.max_seq_len, C)))
+    for l in layers:
+        shapes += [(f"h.{l}.{n}", s) for n, s in layer_shapes(C).items()]
+    if last:
+        shapes += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
+    layout, offset = [], 0
+    for name, shape in shapes:
+        layout.append((name, shape, offset))
+        offset += math.prod(shape)
+    return layout
+
+
+def layout_size(layout: list[tuple[str, tuple[int, ...], int]]) -> int:
+    name, shape, offset = layout[-1]
+    return offset + math.prod(shape)
+
+
+def stage_flops(cfg: GPT2Config, layers: range, last: bool, B: int, T: int) -> float:
+    """Forward FLOPs of one micro-batch: 2 per multiply-add of every matmul. Per layer
+    24 B T C^2 (qkv, proj, fc, fcproj) + 4 B T^2 C (QK^T and AV over the full T x T square,
+    as computed); the LM head 2 B T V C. Backward is twice this."""
+    C = cfg.n_embd
+    f = len(layers) * (24 * B * T * C * C + 4 * B * T * T * C)
+    if last:
+        f += 2 * B * T * cfg.vocab_size * C
+    return float(f)
 
 
 PRESETS: dict[str, GPT2Config] = {

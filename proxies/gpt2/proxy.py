@@ -21,7 +21,13 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
-from proxies.gpt2.config import PRESETS, GPT2Config
+from proxies.gpt2.config import (
+    PRESETS,
+    GPT2Config,
+    layout_size,
+    stage_flops,
+    stage_layout,
+)
 from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
 
 PROG = "proxies.gpt2"
@@ -108,24 +114,7 @@ def split_layers(L: int, pp: int) -> list[range]:
 
 def stage_params(cfg: GPT2Config, layers: range, first: bool, last: bool) -> int:
     """Parameters held by one stage; wte is held by both the first and the last stage."""
-    C, V = cfg.n_embd, cfg.vocab_size
-    n = len(layers) * cfg.layer_params
-    if first:
-        n += V * C + cfg.max_seq_len * C
-    if last:
-        n += 2 * C + (0 if first else V * C)
-    return n
-
-
-def stage_flops(cfg: GPT2Config, layers: range, last: bool, B: int, T: int) -> float:
-    """Forward FLOPs of one micro-batch: 2 per multiply-add of every matmul. Per layer
-    24 B T C^2 (qkv, proj, fc, fcproj) + 4 B T^2 C (QK^T and AV, causal mask not
-    discounted); the LM head 2 B T V C. Backward is twice this."""
-    C = cfg.n_embd
-    f = len(layers) * (24 * B * T * C * C + 4 * B * T * T * C)
-    if last:
-        f += 2 * B * T * cfg.vocab_size * C
-    return float(f)
+    return layout_size(stage_layout(cfg, layers, first, last))
 
 
 class GPT2Runtime:
