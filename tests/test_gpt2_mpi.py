@@ -47,6 +47,25 @@ def test_gpipe_and_megatron_order_train_the_same(tmp_path):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), extra
 
 
+@pytest.mark.parametrize(
+    "ranks,stages,extra",
+    [
+        (4, 2, ["--grad-sync", "per-tensor"]),
+        (4, 2, ["--zero", "1", "--check"]),
+        (3, 1, ["--zero", "1", "--micro-batch", "1"]),
+    ],
+)
+def test_gradient_sync_options_train_the_same(tmp_path, ranks, stages, extra):
+    """Per-tensor allreduces and ZeRO-1 (with a parameter count that does not divide by 3)
+    give the fused allreduce's losses."""
+    mbs = 8 // (ranks // stages) if ranks != 3 else 2
+    ref = losses(tmp_path, 1, 4, 1, mbs * (ranks // stages))
+    got = losses(tmp_path, ranks, 4, stages, mbs, *extra)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    if "--zero" in extra:
+        assert {"dp_reduce_scatter", "dp_allgather"} <= set(got["breakdown_s"])
+
+
 def test_results_json_has_the_contract_fields(tmp_path):
     got = losses(tmp_path, 4, 4, 2, 4)
     for key in (

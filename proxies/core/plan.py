@@ -31,6 +31,14 @@ def itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
+def block_range(count: int, n: int, i: int) -> tuple[int, int]:
+    """[lo, hi) of block i of n of a collective's whole array (reduce_scatter, allgather,
+    alltoall): sizes differ by at most one, the larger first, as np.array_split."""
+    q, r = divmod(count, n)
+    lo = i * q + min(i, r)
+    return lo, lo + q + (i < r)
+
+
 @dataclass(frozen=True)
 class Compute:
     """Local work: a forward or backward of one micro-batch, an optimizer step ..."""

@@ -15,6 +15,8 @@ LABELS = {
     "compute": "compute",
     "pp": "pipeline send/recv",
     "dp_allreduce": "data-parallel allreduce",
+    "dp_reduce_scatter": "data-parallel reduce-scatter",
+    "dp_allgather": "data-parallel allgather",
     "embed_allreduce": "tied-embedding allreduce",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",

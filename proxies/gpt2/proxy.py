@@ -13,13 +13,14 @@ first and last stage (Megatron's embedding group), then AdamW.
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import Collective, Compute, Plan
+from proxies.core.plan import Collective, Compute, Plan, block_range
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt2.config import (
     PRESETS,
@@ -29,6 +30,7 @@ from proxies.gpt2.config import (
     stage_layout,
 )
 from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
+from proxies.gpt2.kernels import adamw_update
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -95,6 +97,21 @@ def parser() -> argparse.ArgumentParser:
         help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
         "STAGES, as the C++ proxy), megatron = dp-pp (stage = rank // DP)",
     )
+    p.add_argument(
+        "--grad-sync",
+        choices=("fused", "per-tensor"),
+        default="fused",
+        help="data-parallel gradient allreduce: one fused buffer per stage (as the C++ "
+        "proxy) or one message per parameter tensor (the C++ proxy without aggregation)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
+        "AdamW on this rank's shard, allgather the parameters",
+    )
     p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument(
@@ -138,23 +155,36 @@ class GPT2Runtime:
         self.first, self.last = first, last
         self.source, self.lr, self.wd = source, args.lr, args.weight_decay
         self.dp_rank = dp_rank
+        self.layout = {
+            name: (offset, math.prod(shape))
+            for name, shape, offset in stage_layout(cfg, layers, first, last)
+        }
         self.model = None
         if mode in ("real", "replay"):
             from proxies.gpt2.model import StageModel
 
             self.model = StageModel(cfg, layers, first, last, B, T, seed=args.seed)
-            self.grads, self.wte = self.model.grads, self.model.wte_slice
+            self.params, self.grads = self.model.params, self.model.grads
         else:
-            self.grads = np.zeros(stage_params(cfg, layers, first, last), dtype=np.float32)
-            self.wte = slice(0, cfg.vocab_size * C) if first or last else None
+            n = stage_params(cfg, layers, first, last)
+            self.grads = np.zeros(n, dtype=np.float32)
+            self.params = np.zeros(n, dtype=np.float32) if args.zero else self.grads
+        # ZeRO-1: this rank's shard of the flat buffer and its AdamW moments.
+        self.zero = args.zero and dp > 1
+        if self.zero:
+            self.shard = slice(*block_range(self.grads.size, dp, dp_rank))
+            size = self.shard.stop - self.shard.start
+            self.moments = np.zeros((2, size), np.float32)  # AdamW m, v of the shard
+            self.steps = 0
         self.bufs: dict[tuple[str, int], np.ndarray] = {}
         self.loss_sum, self.loss_count = 0.0, 0
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
-        if name == "grads":
-            return self.grads
-        if name == "wte_grad":
-            return self.grads[self.wte]
+        if name in ("grads", "params"):
+            return self.grads if name == "grads" else self.params
+        if name.startswith("grad:"):  # one parameter tensor's gradient, e.g. "grad:wte"
+            offset, size = self.layout[name[5:]]
+            return self.grads[offset : offset + size]
         buf = self.bufs.get((name, mb))
         if buf is None:
             buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
@@ -182,7 +212,14 @@ class GPT2Runtime:
             if not self.first:
                 self.bufs[("grad_in", op.mb)] = din
         elif op.name == "optimizer":
-            model.step(self.lr, self.wd)
+            if self.zero:
+                self.steps += 1
+                sh, (m, v) = self.shard, self.moments
+                adamw_update(
+                    self.params[sh], self.grads[sh], m, v, self.steps, self.lr, weight_decay=self.wd
+                )
+            else:
+                model.step(self.lr, self.wd)
             model.zero_grad()
         else:
             raise ValueError(f"unknown compute op {op.name}")
@@ -191,6 +228,41 @@ class GPT2Runtime:
         out = (self.loss_sum, self.loss_count)
         self.loss_sum, self.loss_count = 0.0, 0
         return out
+
+
+def gradient_sync(
+    cfg: GPT2Config, layers: range, first: bool, last: bool, pp: int, dp: int, args
+) -> list:
+    """The end of an iteration: gradients summed over data-parallel replicas, the tied
+    embedding's between the first and last stage (Megatron's embedding group), AdamW.
+
+    fused: one allreduce of the stage's flat gradient buffer (DP first, then embedding, as
+    Megatron). per-tensor: one allreduce per parameter tensor. ZeRO-1: embedding allreduce
+    first (the shards split wte), reduce-scatter, AdamW on the shard, allgather parameters.
+    """
+    layout = stage_layout(cfg, layers, first, last)
+    n = layout_size(layout)
+    embed = pp > 1 and (first or last)
+    wte = cfg.vocab_size * cfg.n_embd
+    ops = []
+    if args.zero and dp > 1:
+        if embed:
+            ops.append(Collective("allreduce", "embed", "grad:wte", wte))
+        ops.append(Collective("reduce_scatter", "dp", "grads", n))
+        ops.append(Compute("optimizer"))
+        ops.append(Collective("allgather", "dp", "params", n))
+        return ops
+    if dp > 1 and args.grad_sync == "fused":
+        ops.append(Collective("allreduce", "dp", "grads", n))
+    elif dp > 1:
+        ops += [
+            Collective("allreduce", "dp", f"grad:{name}", math.prod(shape))
+            for name, shape, _ in layout
+        ]
+    if embed:
+        ops.append(Collective("allreduce", "embed", "grad:wte", wte))
+    ops.append(Compute("optimizer"))
+    return ops
 
 
 def make_job(args, world: int) -> runner.Job:
@@ -247,14 +319,9 @@ def make_job(args, world: int) -> runner.Job:
             flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
         )
         groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
-        if dp > 1:
-            ops.append(
-                Collective("allreduce", "dp", "grads", stage_params(cfg, split[s], first, last))
-            )
         if pp > 1 and (first or last):
             groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-            ops.append(Collective("allreduce", "embed", "wte_grad", cfg.vocab_size * cfg.n_embd))
-        ops.append(Compute("optimizer"))
+        ops += gradient_sync(cfg, split[s], first, last, pp, dp, args)
         return Plan(rank, tuple(ops), groups, c)
 
     def label(rank: int) -> str:
@@ -293,6 +360,8 @@ def make_job(args, world: int) -> runner.Job:
         "data": args.data or "synthetic",
         "check": args.check,
         "allreduce": args.allreduce,
+        "grad_sync": args.grad_sync,
+        "zero": args.zero,
         "device_tflops": args.device_tflops,
         "layers_per_stage": [len(r) for r in split],
     }

@@ -1,0 +1,3 @@
+from proxies.collectives.bench import entry
+
+entry()

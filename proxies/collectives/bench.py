@@ -1,0 +1,252 @@
+"""python -m proxies.collectives: the allreduce algorithms side by side, nccl-tests style.
+
+    mpiexec -n 4 python -m proxies.collectives -b 1M -e 64M -f 2 -a ring,mpi
+
+For each size from -b to -e (times -f each step) and each algorithm, mpi4py's osu pattern:
+one buffer allocated for the largest size, -w warm-up calls, a barrier, -n timed calls
+between two MPI.Wtime()s, the mean per call, max over ranks. Algorithms alternate within a
+size, so load that drifts over the run touches them alike. Columns (nccl-tests):
+
+    size    bytes per rank (rounded down to whole elements), count elements of `type`
+    time    microseconds per allreduce, the slowest rank's mean
+    algbw   size / time, GB/s (1e9 B/s)
+    busbw   algbw * 2(n-1)/n with n the group size: what each rank's link carried, so
+            algorithms and world sizes compare against the hardware's bandwidth
+    vs mpi  busbw / MPI Allreduce's busbw at the same size
+    #wrong  with -c: elements that differ from NumPy's sum, over all ranks (N/A without)
+
+Timed buffers hold zeros (repeated in-place sums of anything else overflow; an add costs
+the same whatever the finite values). The check is a separate call on small integers,
+whose sums are exact in every order, so the expected values are exact too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+
+import numpy as np
+
+from proxies.collectives import ALGORITHMS, allreduce
+from proxies.core import cli
+
+PROG = "proxies.collectives"
+DTYPES = ("float32", "float64", "int32", "int64")
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """nccl-tests sizes: 8, 64K, 128M, 1G (binary multiples; a trailing B is allowed)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)[Bb]?\s*", text)
+    if not m:
+        raise cli.argparse.ArgumentTypeError(
+            f"expected a size in bytes like 8, 64K, 128M or 1G, got {text!r}"
+        )
+    return int(m.group(1)) * UNITS[m.group(2).upper()]
+
+
+def factor(text: str) -> int:
+    value = cli.positive_int(text)
+    if value < 2:
+        raise cli.argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
+    return value
+
+
+def parser() -> cli.Parser:
+    p = cli.Parser(
+        prog=f"python -m {PROG}",
+        description="Allreduce algorithms over point-to-point vs MPI's own: time, algbw, "
+        "busbw per size, as nccl-tests' all_reduce_perf prints them.",
+    )
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, metavar="SIZE",
+                   help="smallest size in bytes, K/M/G suffixes allowed (default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20, metavar="SIZE",
+                   help="largest size in bytes (default 32M)")
+    p.add_argument("-f", "--stepfactor", type=factor, default=2, metavar="F",
+                   help="multiply the size by F between rows (default 2)")
+    p.add_argument("-a", "--algorithms", default=",".join(ALGORITHMS), metavar="LIST",
+                   help=f"comma-separated, from {', '.join(ALGORITHMS)} (default all)")
+    p.add_argument("-n", "--iters", type=cli.positive_int, default=20,
+                   help="timed calls per size and algorithm (default 20)")
+    p.add_argument("-w", "--warmup", type=cli.nonneg_int, default=5,
+                   help="untimed calls before them (default 5)")
+    p.add_argument("-c", "--check", action="store_true",
+                   help="after timing, one more call on known data, compared with NumPy; "
+                   "the #wrong column counts the elements that differ")
+    p.add_argument("-d", "--dtype", choices=DTYPES, default="float32",
+                   help="element type (default float32)")
+    p.add_argument("--ranks-per-node", type=cli.positive_int, metavar="R",
+                   help="hier: nodes of R consecutive ranks (default: MPI's shared-memory "
+                   "split, one node per machine)")
+    p.add_argument("--wait", choices=("auto", "spin", "yield"), default="auto",
+                   help="spin: MPI's blocking waits; yield: test and sleep 20 us..1 ms "
+                   "(the engine's Waiter); auto: yield when a node has more ranks than "
+                   "cores (default)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rank 0)")
+    return p
+
+
+def sizes(lo: int, hi: int, f: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= f
+    return out
+
+
+def check_inputs(count: int, rank: int, dtype) -> np.ndarray:
+    """Small integers (|v| <= 15): sums over up to 2^20 ranks are exact in float32."""
+    return ((np.arange(count, dtype=np.int64) * 7 + rank * 13) % 31 - 15).astype(dtype)
+
+
+def wrong(buf: np.ndarray, n: int) -> int:
+    want = np.zeros(buf.size, dtype=np.int64)
+    for i in range(n):
+        want += check_inputs(buf.size, i, np.int64)
+    return int(np.count_nonzero(buf != want.astype(buf.dtype)))
+
+
+def resolve(args) -> list[str]:
+    algs = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algs if a not in ALGORITHMS]
+    if unknown or not algs:
+        raise cli.UsageError(
+            f"-a/--algorithms: unknown algorithm {unknown[0] if unknown else '(none)'!r} "
+            f"(choose from {', '.join(ALGORITHMS)})"
+        )
+    if args.maxbytes < args.minbytes:
+        raise cli.UsageError(
+            f"-e/--maxbytes {args.maxbytes} is smaller than -b/--minbytes {args.minbytes}"
+        )
+    if args.minbytes == 0:
+        raise cli.UsageError("-b/--minbytes must be at least 1 byte")
+    return list(dict.fromkeys(algs))
+
+
+def time_one(comm, MPI, waiter, alg, buf, args, wait) -> float:
+    """Seconds per call: warm-up, barrier, timed loop; the slowest rank's mean."""
+    def call():
+        allreduce(comm, buf, alg, wait=wait, ranks_per_node=args.ranks_per_node)
+
+    for _ in range(args.warmup):
+        call()
+    waiter.barrier(comm)
+    t0 = MPI.Wtime()
+    for _ in range(args.iters):
+        call()
+    mine = np.array([(MPI.Wtime() - t0) / args.iters])
+    slowest = np.empty(1)
+    comm.Allreduce(mine, slowest, op=MPI.MAX)
+    return float(slowest[0])
+
+
+def header(comm, MPI, args, wait: str) -> list[str]:
+    from proxies.core.mpi import describe
+
+    n, m = comm.size, describe(MPI)
+    nodes = f"--ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else "MPI's split"
+    return [
+        f"# {PROG}: allreduce (sum, in place) on {n} ranks · busbw = algbw x 2(n-1)/n = "
+        f"algbw x {2 * (n - 1) / n:.3f}",
+        f"# {m['library']} · mpi4py {m['mpi4py']} · thread level {m['thread_level']} · "
+        f"waits {wait} · hier nodes: {nodes}",
+        f"# {args.warmup} warm-up + {args.iters} timed calls per row, time = mean per call, "
+        f"max over ranks" + (" · --check on" if args.check else ""),
+        "#",
+        f"# {'size':>10} {'count':>11} {'type':>8} {'algorithm':>9} {'time':>10} "
+        f"{'algbw':>7} {'busbw':>7} {'vs mpi':>6} {'#wrong':>7}",
+        f"# {'(B)':>10} {'(elements)':>11} {'':>8} {'':>9} {'(us)':>10} "
+        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>7}",
+    ]
+
+
+def line(row: dict, ratio: float | None) -> str:
+    vs = f"{ratio:6.2f}" if ratio is not None else f"{'':>6}"
+    wrong_ = f"{row['wrong']:>7}" if row["wrong"] is not None else f"{'N/A':>7}"
+    return (
+        f"  {row['bytes']:>10} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>9} "
+        f"{row['time_us']:>10.1f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {vs} {wrong_}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    algs = resolve(args)
+    from proxies.core import mpi, threads
+    from proxies.core.engine import Waiter
+
+    MPI = mpi.init()
+    comm = MPI.COMM_WORLD
+    mpi.abort_on_exception(comm, PROG)
+    n, r = comm.size, comm.rank
+    wait = args.wait
+    if wait == "auto":
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        wait = "yield" if node.allreduce(node.size > threads.cores_available(), op=MPI.LOR) else "spin"
+        node.Free()
+    waiter = Waiter(MPI, wait)
+    waitfn = waiter.waitall if wait == "yield" else None
+
+    dtype = np.dtype(args.dtype)
+    rows_sizes = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    try:
+        whole, error = np.empty(rows_sizes[-1] // dtype.itemsize, dtype=dtype), None
+        whole[...] = 0
+    except MemoryError:
+        whole, error = None, f"-e/--maxbytes {args.maxbytes}: cannot allocate that buffer"
+    mpi.agree(comm, error, PROG)
+
+    if r == 0:
+        print("\n".join(header(comm, MPI, args, wait)), flush=True)
+    rows: list[dict] = []
+    factor_ = 2 * (n - 1) / n
+    for size in rows_sizes:
+        count = size // dtype.itemsize
+        buf = whole[:count]
+        group = []
+        for alg in algs:
+            buf[...] = 0
+            t = time_one(comm, MPI, waiter, alg, buf, args, waitfn)
+            bad = None
+            if args.check:
+                buf[...] = check_inputs(count, r, dtype)
+                allreduce(comm, buf, alg, wait=waitfn, ranks_per_node=args.ranks_per_node)
+                mine, total = np.array([wrong(buf, n)], dtype=np.int64), np.zeros(1, np.int64)
+                comm.Allreduce(mine, total, op=MPI.SUM)
+                bad = int(total[0])
+            algbw = count * dtype.itemsize / t / 1e9 if t > 0 else 0.0
+            group.append({
+                "algorithm": alg, "bytes": count * dtype.itemsize, "count": count,
+                "dtype": dtype.name, "ranks": n, "time_us": t * 1e6, "algbw": algbw,
+                "busbw": algbw * factor_, "wrong": bad,
+            })
+        mpi_bw = next((g["busbw"] for g in group if g["algorithm"] == "mpi"), None)
+        if r == 0:
+            for g in group:
+                ratio = g["busbw"] / mpi_bw if mpi_bw and "mpi" in algs else None
+                print(line(g, ratio), flush=True)
+        rows += group
+
+    if r == 0:
+        avg = " · ".join(
+            f"{a} {statistics.fmean(g['busbw'] for g in rows if g['algorithm'] == a):.2f}"
+            for a in algs
+        )
+        print(f"# average busbw (GB/s): {avg}")
+        if args.check:
+            print(f"# out of bounds values: {sum(g['wrong'] for g in rows)} wrong elements in all")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+                f.write("\n")
+    return 0
+
+
+def entry() -> None:
+    cli.run_main(PROG, main)
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

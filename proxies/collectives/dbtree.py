@@ -1,0 +1,136 @@
+r"""Double binary tree (NCCL, MPICH): two complementary binary trees, each reducing and then
+broadcasting half of the buffer, pipelined in chunks.
+
+Tree construction (NCCL's ncclGetBtree / ncclGetDtree). Tree 0 is an in-order binary tree
+on rank indices: a rank's level is its lowest set bit b; its parent is (r ^ b) | 2b, or
+r ^ b when that is out of range; its children are r - b/2 and r + b/2 (b/2 halved until
+in range). Rank 0 is the root, with the single child (the power of two >= n) / 2:
+
+    0 ---------- 8          n = 12: odd ranks are leaves, even ranks inner nodes
+           _____/ \
+          4        10
+        /   \     /  \
+       2     6   9   11
+      / \   / \
+     1   3 5   7
+
+Tree 1 is tree 0 mirrored (r -> n-1-r) when n is even, shifted (r -> r+1 mod n) when n
+is odd. Mirroring turns the leaves (odd ranks) into inner nodes, so most ranks are a leaf
+in one tree and inner in the other: each rank forwards about one half-buffer up and down,
+spreading the load that a single tree puts on its inner nodes, at log2 n depth.
+
+Schedule: half h (np.array_split into 2) goes over tree h in chunks of CHUNK_BYTES.
+  reduce, chunk k = 0, 1, ..., both trees interleaved: receive chunk k from the children
+      (chunk k + 1 already posted into a second slot), add, send it up (Isend: a rank does
+      not wait for its parent, so chunks stream up the tree);
+  broadcast: every chunk's receive from the parent is posted up front; as each arrives
+      it goes to the children.
+Every wait is on a message whose sender never waits on this rank within the phase, so the
+schedule cannot deadlock; separate tags per tree and phase keep the streams apart.
+
+Summation order (deterministic): post-order on the half's tree: a rank's partial sum is
+(x_r + sum of its first child's subtree) + sum of its second child's subtree, children in
+the order (r - b/2, r + b/2); the root's partial is the result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall
+
+# Pipeline chunk: small enough that the trees' depth fills quickly, large enough that the
+# Python per-message cost (~10 us) stays below the copy time of a chunk (~50 us at 5 GB/s).
+CHUNK_BYTES = 256 << 10
+
+TAG_UP, TAG_DOWN = TAG + 50, TAG + 52  # + tree index
+
+
+def btree(n: int, r: int) -> tuple[int, list[int]]:
+    """(parent or -1, children) of rank r in NCCL's binary tree rooted at 0."""
+    bit = 1
+    while bit < n and not r & bit:
+        bit <<= 1
+    if r == 0:
+        return -1, ([bit >> 1] if n > 1 else [])
+    parent = (r ^ bit) | (bit << 1)
+    if parent >= n:
+        parent = r ^ bit
+    low, children = bit >> 1, []
+    if low:
+        children.append(r - low)
+    while low and r + low >= n:
+        low >>= 1
+    if low:
+        children.append(r + low)
+    return parent, children
+
+
+def trees(n: int, r: int) -> list[tuple[int, list[int]]]:
+    """[(parent, children) in tree 0, the same in tree 1] for rank r."""
+    if n % 2 == 0:
+        there = back = lambda u: n - 1 - u  # noqa: E731 (mirror is its own inverse)
+    else:
+        there, back = (lambda u: (u - 1) % n), (lambda u: (u + 1) % n)
+    parent, children = btree(n, there(r))
+    mirrored = (back(parent) if parent >= 0 else -1, [back(c) for c in children])
+    return [btree(n, r), mirrored]
+
+
+def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
+    x, n, r = flat(buf), comm.size, comm.rank
+    if n == 1 or x.size == 0:
+        return
+    wait = waitall(wait)
+    step = max(1, CHUNK_BYTES // x.itemsize)
+    half = bounds(x.size, 2)
+    # chunks[t][k]: chunk k of half t (a view into x); tree t moves half t
+    chunks = [
+        [x[lo : min(lo + step, half[t + 1])] for lo in range(half[t], half[t + 1], step)]
+        for t in (0, 1)
+    ]
+    tree = trees(n, r)
+    K = max(len(chunks[0]), len(chunks[1]))
+    tmp = scratch(2 * 2 * 2 * step, x.dtype).reshape(2, 2, 2, step)  # slot, tree, child
+
+    # -- reduce up both trees, chunk by chunk
+    def post(k: int) -> list[list]:
+        return [
+            [
+                comm.Irecv(tmp[k % 2, t, j, : chunks[t][k].size], c, TAG_UP + t)
+                for j, c in enumerate(tree[t][1])
+            ]
+            if k < len(chunks[t])
+            else []
+            for t in (0, 1)
+        ]
+
+    sends, recvs = [], post(0)
+    for k in range(K):
+        ahead = post(k + 1) if k + 1 < K else [[], []]
+        for t in (0, 1):
+            if k >= len(chunks[t]):
+                continue
+            c = chunks[t][k]
+            wait(recvs[t])
+            for j in range(len(tree[t][1])):
+                np.add(c, tmp[k % 2, t, j, : c.size], out=c)
+            if tree[t][0] >= 0:
+                sends.append(comm.Isend(c, tree[t][0], TAG_UP + t))
+        recvs = ahead
+    wait(sends)  # before the broadcast overwrites what they send
+
+    # -- broadcast down both trees: all receives posted, forwarded as they arrive
+    down = [
+        [comm.Irecv(c, tree[t][0], TAG_DOWN + t) for c in chunks[t]] if tree[t][0] >= 0 else []
+        for t in (0, 1)
+    ]
+    sends = []
+    for k in range(K):
+        for t in (0, 1):
+            if k >= len(chunks[t]):
+                continue
+            if down[t]:
+                wait([down[t][k]])
+            sends += [comm.Isend(chunks[t][k], c, TAG_DOWN + t) for c in tree[t][1]]
+    wait(sends)

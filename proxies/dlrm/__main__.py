@@ -1,0 +1,3 @@
+from proxies.dlrm.proxy import entry
+
+entry()

@@ -1,0 +1,3 @@
+from proxies.gpt3.proxy import entry
+
+entry()

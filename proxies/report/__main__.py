@@ -1,0 +1,5 @@
+import sys
+
+from proxies.sweep.report import main
+
+sys.exit(main())

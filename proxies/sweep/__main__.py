@@ -1,0 +1,5 @@
+import sys
+
+from proxies.sweep.runner import main
+
+sys.exit(main())

@@ -1,0 +1,231 @@
+"""Launching points: the launcher template, the command of one point, running it with a
+timeout that ends its whole process group, and asking the proxy whether a point can run.
+
+    mpiexec -n {ranks} {command}         the default (mpirun and srun likewise)
+    {command} is `python -m proxies.<proxy> POSITIONALS --option value ... --json PATH`
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from proxies.sweep.schema import Point
+
+LAUNCHERS = {
+    "mpiexec": "mpiexec -n {ranks} {command}",
+    "mpirun": "mpirun -n {ranks} {command}",
+    "srun": "srun -n {ranks} {command}",
+}
+PLACEHOLDERS = ("{ranks}", "{command}")
+KILL_GRACE_S = 3.0  # SIGTERM first (srun and mpiexec then clean up their ranks), then SIGKILL
+PRECHECK_TIMEOUT_S = 300.0
+
+
+def template(launcher: str) -> str:
+    """The template for a launcher name or a template; ValueError says what is wrong."""
+    t = LAUNCHERS.get(launcher.strip(), launcher)
+    try:
+        words = shlex.split(t)
+    except ValueError as e:
+        raise ValueError(f"{launcher!r}: {e}") from None
+    if words.count("{command}") != 1:
+        raise ValueError(
+            f"{launcher!r}: expected mpiexec, mpirun, srun, or a template with {{command}} "
+            "as one word and {ranks}, e.g. 'mpiexec -n {ranks} --bind-to core {command}'"
+        )
+    if "{ranks}" not in t:
+        raise ValueError(f"{launcher!r}: the template must say where {{ranks}} goes")
+    rest = t
+    for ph in PLACEHOLDERS:
+        rest = rest.replace(ph, "")
+    if "{" in rest or "}" in rest:
+        raise ValueError(f"{launcher!r}: only {{ranks}} and {{command}} may appear in braces")
+    return t
+
+
+def proxy_command(point: Point, json_path: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", f"proxies.{point.proxy}", *point.argv]
+    return cmd + (["--json", json_path] if json_path else [])
+
+
+def command(point: Point, launcher: str, json_path: str | None) -> list[str]:
+    """The full launch command of a point."""
+    words = []
+    for w in shlex.split(template(launcher)):
+        if w == "{command}":
+            words += proxy_command(point, json_path)
+        else:
+            words.append(w.replace("{ranks}", str(point.ranks)))
+    if words[0] in ("mpiexec", "mpirun"):
+        # The MPI next to this Python (the mpich wheel in a venv) before the one on PATH:
+        # the launcher must match the library mpi4py was built against.
+        here = shutil.which(words[0], path=os.path.dirname(sys.executable))
+        words[0] = here or words[0]
+    return words
+
+
+def environment(point: Point) -> dict[str, str]:
+    """The environment a point runs in: ours, minus the BLAS thread counts that importing
+    `proxies` set for this process (each rank must choose its own), plus the run's env."""
+    from proxies.core import threads
+
+    env = dict(os.environ)
+    if threads.decision and not threads.decision[3].startswith("user"):
+        for var in threads.BLAS_VARS:
+            if env.get(var) == str(threads.decision[0]):
+                env.pop(var)
+    env.update(dict(point.run.env))
+    return env
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | failed | timeout
+    returncode: int | None
+    elapsed_s: float
+
+
+def run(
+    cmd: list[str],
+    env: dict[str, str],
+    timeout: float,
+    out: str,
+    err: str,
+    tick: Callable[[], None] | None = None,
+) -> Outcome:
+    """Run cmd with stdout and stderr to files, calling `tick` about 4 times a second while
+    it runs; past `timeout` seconds (or on any exception here, e.g. Ctrl-C) its whole
+    process group is ended."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    with open(out, "wb") as fo, open(err, "wb") as fe:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=fo,
+            stderr=fe,
+            env=env,
+            start_new_session=True,  # its own process group: a timeout ends all of it
+            preexec_fn=die_with_parent(),
+        )
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        end_group(proc)
+                        return Outcome("timeout", None, time.monotonic() - t0)
+                    if tick:
+                        tick()
+        except BaseException:
+            end_group(proc)
+            raise
+    return Outcome("ok" if rc == 0 else "failed", rc, time.monotonic() - t0)
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a pre-exec hook asking for SIGKILL when the sweep dies, so a killed sweep
+    leaves no launcher running. Looked up here, in the parent: the hook itself only calls
+    prctl (no imports, no allocation worth the name, between fork and exec)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+    kill = int(signal.SIGKILL)
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, kill)
+
+    return hook
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGTERM:
+                # The launcher is gone; whatever it left in the group goes too.
+                os.killpg(proc.pid, signal.SIGKILL)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            break
+    proc.wait()
+
+
+def tail(path: str, lines: int = 20, chars: int = 4000) -> str:
+    """The last lines of a log file, for the record of a failed point."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - chars))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# -- asking the proxy ----------------------------------------------------------------------
+
+
+def precheck(points: list[Point], workers: int | None = None) -> dict[str, str]:
+    """Plan each distinct point with `--dry-run --world-size N` (one process per point, in
+    parallel); returns {point id: the proxy's message} for the points it rejects."""
+    todo: dict[tuple, Point] = {}
+    for p in points:
+        if p.skip is None and (p.run.precheck or p.run.skips_rejected):
+            todo.setdefault((p.proxy, p.ranks, p.argv), p)
+    workers = workers or max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        verdicts = dict(zip(todo, pool.map(dry_run, todo.values()), strict=True))
+    return {
+        p.id: verdicts[(p.proxy, p.ranks, p.argv)]
+        for p in points
+        if (p.proxy, p.ranks, p.argv) in verdicts and verdicts[(p.proxy, p.ranks, p.argv)]
+    }
+
+
+def dry_run(point: Point) -> str | None:
+    cmd = proxy_command(point, None) + ["--dry-run", "--world-size", str(point.ranks)]
+    try:
+        r = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=environment(point),
+            timeout=PRECHECK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return f"--dry-run took more than {PRECHECK_TIMEOUT_S:.0f} s"
+    if r.returncode == 0:
+        return None
+    lines = [x.strip() for x in (r.stderr or r.stdout).splitlines() if x.strip()]
+    msg = lines[-1] if lines else f"--dry-run exited with status {r.returncode}"
+    return msg
+
+
+def shell(cmd: list[str]) -> str:
+    return shlex.join(cmd)

@@ -1,0 +1,370 @@
+"""python -m proxies sweep FILE: expand a sweep file into points, launch each as its own MPI
+job, record each in results/<name>/results.jsonl as it finishes, then report.
+
+Exit status: 0 when every point ran (or was skipped by a rule), 1 when a point failed or
+timed out, 2 for a bad sweep file, 130 when interrupted (rerun to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import time
+from dataclasses import replace
+
+from proxies.sweep import launch, results
+from proxies.sweep.schema import Point, Sweep, SweepError, expand, load
+
+PROG = "python -m proxies sweep"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run a YAML scaling sweep: every point its own MPI job, results appended "
+        "to RESULTS/<name>/results.jsonl as each finishes (a rerun resumes), then a table, "
+        "a CSV and plots (python -m proxies report RESULTS/<name> redoes them).",
+    )
+    p.add_argument("file", help="the sweep file, e.g. configs/smoke.yaml")
+    p.add_argument("--results", default="results", metavar="DIR", help="results go to DIR/<name>/")
+    p.add_argument("--fresh", action="store_true", help="discard earlier results and start over")
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="run again the points recorded as failed or timed out (the last record counts)",
+    )
+    p.add_argument(
+        "--launcher",
+        metavar="TEMPLATE",
+        help="override the file's launcher: mpiexec, mpirun, srun or a template with "
+        "{ranks} and {command}",
+    )
+    p.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="print every launch command (skipped points as comments) and run nothing",
+    )
+    p.add_argument(
+        "--sbatch",
+        metavar="FILE",
+        help="write a Slurm batch script that runs this sweep inside one allocation, and "
+        "run nothing",
+    )
+    p.add_argument(
+        "--no-precheck",
+        action="store_true",
+        help="do not ask the proxy (--dry-run --world-size N) whether each point can run",
+    )
+    p.add_argument("--no-report", action="store_true", help="skip the table, CSV and plots")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sweep, points = prepare(args)
+    except SweepError as e:
+        print(f"proxies sweep: error: {e}", file=sys.stderr)
+        return 2
+    if args.sbatch:
+        return write_sbatch(sweep, points, args)
+    if args.print_commands:
+        return print_commands(sweep, points, args)
+    try:
+        return execute(sweep, points, args)
+    except RuntimeError as e:  # the results directory is locked by another sweep
+        print(f"proxies sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+def prepare(args) -> tuple[Sweep, list[Point]]:
+    """Load, validate and expand the file; ask the proxy about each point (unless
+    --no-precheck): a point it rejects is skipped under a proxy_rejects rule, else an error."""
+    sweep = load(args.file)
+    if args.launcher:
+        try:
+            launch.template(args.launcher)
+        except ValueError as e:
+            raise SweepError(f"--launcher: {e}") from None
+        sweep = replace(sweep, launcher=args.launcher)
+    points = expand(sweep)
+    if args.no_precheck:
+        return sweep, points
+    rejected = launch.precheck(points)
+    checked = []
+    for p in points:
+        msg = rejected.get(p.id)
+        if msg and p.run.skips_rejected:
+            p = replace(p, skip=f"rejected by the proxy: {msg}")
+        elif msg:
+            raise SweepError(
+                f"{sweep.path}: {p.run.key or 'args'}: the point {p.describe()} cannot run: "
+                f"{msg} (skip such points with a rule, e.g. '- proxy_rejects: true' under skip)"
+            )
+        checked.append(p)
+    return sweep, checked
+
+
+def tag(index: int, p: Point) -> str:
+    """A file-name-safe name of a point: its place in the sweep and a hash of its identity."""
+    return f"{index:04d}-{p.proxy}-{p.ranks}r-{hashlib.sha1(p.id.encode()).hexdigest()[:8]}"
+
+
+def env_prefix(p: Point) -> str:
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in p.run.env)
+
+
+# -- cluster use ---------------------------------------------------------------------------
+
+
+def print_commands(sweep: Sweep, points: list[Point], args) -> int:
+    outdir = os.path.join(args.results, sweep.name)
+    runnable = [p for p in points if not p.skip]
+    print(
+        f"# sweep {sweep.name} ({sweep.path}): {len(points)} points, {len(runnable)} to run, "
+        f"{len(points) - len(runnable)} skipped"
+    )
+    for i, p in enumerate(points):
+        if p.skip:
+            print(f"# skipped: {p.describe()}: {p.skip}")
+            continue
+        cmd = launch.command(p, sweep.launcher, os.path.join(outdir, f"{tag(i, p)}.json"))
+        print(env_prefix(p) + launch.shell(cmd))
+    return 0
+
+
+def write_sbatch(sweep: Sweep, points: list[Point], args) -> int:
+    """A batch script that runs the sweep itself inside one allocation, so results, resume
+    and timeouts work there as here. Sized for the largest point and the sum of timeouts."""
+    runnable = [p for p in points if not p.skip]
+    if not runnable:
+        print("proxies sweep: error: every point is skipped: nothing to submit", file=sys.stderr)
+        return 2
+    ranks = max(p.ranks for p in runnable)
+    seconds = int(sum(p.run.timeout for p in runnable)) + 600
+    outdir = os.path.abspath(os.path.join(args.results, sweep.name))
+    os.makedirs(outdir, exist_ok=True)  # Slurm opens --output before the job starts
+    options = {
+        "job-name": f"proxies-{sweep.name}",
+        "ntasks": str(ranks),
+        "time": f"{seconds // 86400}-{seconds // 3600 % 24:02d}:{seconds // 60 % 60:02d}:"
+        f"{seconds % 60:02d}",
+        "output": os.path.join(outdir, "slurm-%j.out"),
+        **dict(sweep.sbatch),
+    }
+    passed = ["--results", os.path.abspath(args.results)]
+    passed += ["--launcher", sweep.launcher] if args.launcher else []
+    passed += [
+        f for f, on in (("--fresh", args.fresh), ("--retry-failed", args.retry_failed)) if on
+    ]
+    passed += ["--no-precheck"] * args.no_precheck + ["--no-report"] * args.no_report
+    sweep_cmd = [sys.executable, "-m", "proxies", "sweep", os.path.abspath(sweep.path), *passed]
+    lines = [
+        "#!/bin/bash",
+        f"# Sweep {sweep.name} ({sweep.path}): {len(runnable)} points to run, up to {ranks} "
+        f"ranks, launched with: {launch.template(sweep.launcher)}",
+        f"# Written by: {PROG} {shlex.join(sys.argv[1:]) if sys.argv[1:] else sweep.path}",
+        *(f"#SBATCH --{k}={v}" for k, v in options.items()),
+        "set -euo pipefail",
+        f"cd {shlex.quote(os.getcwd())}",
+        "exec " + shlex.join(sweep_cmd),
+    ]
+    with open(args.sbatch, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(args.sbatch, 0o755)
+    print(f"wrote {args.sbatch}: sbatch {args.sbatch}")
+    return 0
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+class Stop(BaseException):
+    """SIGTERM or SIGHUP: end the running point, keep what is recorded."""
+
+
+def execute(sweep: Sweep, points: list[Point], args) -> int:
+    outdir = os.path.join(args.results, sweep.name)
+    os.makedirs(outdir, exist_ok=True)
+    with results.Lock(outdir):
+        jsonl = os.path.join(outdir, results.FILE)
+        if args.fresh:
+            for old in (jsonl, os.path.join(outdir, "report.csv")):
+                if os.path.exists(old):
+                    os.remove(old)
+            shutil.rmtree(os.path.join(outdir, "logs"), ignore_errors=True)
+        for sub in ("logs", "tmp"):
+            os.makedirs(os.path.join(outdir, sub), exist_ok=True)
+        shutil.copyfile(sweep.path, os.path.join(outdir, "sweep.yaml"))
+        last = results.latest(results.load(jsonl))
+
+        todo, before, skipped = [], 0, 0
+        for i, p in enumerate(points):
+            prev = last.get(p.id)
+            if p.skip:
+                skipped += 1
+                if not (prev and prev["status"] == "skipped" and prev.get("reason") == p.skip):
+                    results.append(jsonl, skip_record(i, p))
+            elif (
+                prev
+                and prev["status"] in results.DONE
+                and not (args.retry_failed and prev["status"] != "ok")
+            ):
+                before += 1
+            else:
+                todo.append((i, p))
+        print(
+            f"sweep {sweep.name}: {len(points)} points: {len(todo)} to run, {before} done "
+            f"before, {skipped} skipped · results in {jsonl}",
+            flush=True,
+        )
+
+        def stop(signum, frame):
+            raise Stop(signum)
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            run_points(sweep, todo, outdir, jsonl)
+        except (KeyboardInterrupt, Stop):
+            done = len(results.latest(results.load(jsonl, warn=False)))
+            print(
+                f"\ninterrupted: {done} points are recorded in {jsonl}; run the same command "
+                "again to resume",
+                file=sys.stderr,
+            )
+            return 130
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    if not args.no_report:
+        from proxies.sweep import report
+
+        report.report(outdir)
+    final = results.latest(results.load(jsonl))
+    bad = [
+        final[p.id]
+        for p in points
+        if p.id in final and final[p.id]["status"] in ("failed", "timeout")
+    ]
+    if bad:
+        print(
+            f"proxies sweep: {len(bad)} of {len(points)} points failed or timed out:",
+            file=sys.stderr,
+        )
+        for rec in bad:
+            print(f"  {rec['status']}: {rec['describe']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def skip_record(i: int, p: Point) -> dict:
+    return {
+        "point": {**p.record(), "index": i},
+        "describe": p.describe(),
+        "status": "skipped",
+        "reason": p.skip,
+        "start": now(),
+    }
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def run_points(sweep: Sweep, todo: list[tuple[int, Point]], outdir: str, jsonl: str) -> None:
+    if not todo:
+        return
+    if not sys.stdout.isatty():
+        for k, (i, p) in enumerate(todo, 1):
+            rec = run_point(sweep, i, p, outdir, jsonl, None)
+            print(f"[{k}/{len(todo)}] {summary(rec)}", flush=True)
+        return
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from proxies.core.report import console
+
+    # No refresh thread (auto_refresh off): the point's process is forked from a process
+    # with one thread, and the bar is redrawn while waiting for it instead.
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console(),
+        auto_refresh=False,
+    ) as progress:
+        task = progress.add_task("", total=len(todo))
+        for i, p in todo:
+            progress.update(task, description=p.describe())
+            progress.refresh()
+            rec = run_point(sweep, i, p, outdir, jsonl, progress.refresh)
+            progress.console.print(summary(rec), markup=False, highlight=False)
+            progress.advance(task)
+            progress.refresh()
+
+
+def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> dict:
+    """Launch one point, wait (at most its timeout), append its record; returns the record."""
+    name = tag(i, p)
+    json_path = os.path.join(outdir, "tmp", f"{name}.{os.getpid()}.json")
+    cmd = launch.command(p, sweep.launcher, json_path)
+    out, err = (os.path.join(outdir, "logs", f"{name}.{x}") for x in ("out", "err"))
+    start = now()
+    outcome = launch.run(cmd, launch.environment(p), p.run.timeout, out, err, tick)
+    rec = {
+        "point": {**p.record(), "index": i},
+        "describe": p.describe(),
+        "status": outcome.status,
+        "command": cmd,
+        "env": dict(p.run.env),
+        "start": start,
+        "elapsed_s": round(outcome.elapsed_s, 3),
+        "returncode": outcome.returncode,
+        "timeout_s": p.run.timeout,
+        "log": os.path.join("logs", name),
+    }
+    if outcome.status == "ok":
+        try:
+            with open(json_path) as f:
+                rec["result"] = json.load(f)
+        except (OSError, ValueError) as e:
+            rec["status"] = "failed"
+            rec["stderr_tail"] = f"exit status 0 but no JSON results in {json_path}: {e}"
+    if outcome.status != "ok" or rec["status"] != "ok":
+        rec["stderr_tail"] = rec.get("stderr_tail") or launch.tail(err)
+    results.append(jsonl, rec)
+    if os.path.exists(json_path):
+        os.remove(json_path)
+    return rec
+
+
+def summary(rec: dict) -> str:
+    what = rec["describe"]
+    if rec["status"] == "ok":
+        from proxies.sweep.report import point_time
+
+        return f"{what}: ok, {point_time(rec['result']):.4g} s/iter ({rec['elapsed_s']:.1f} s)"
+    if rec["status"] == "timeout":
+        return f"{what}: TIMEOUT after {rec['timeout_s']:g} s"
+    lines = [x for x in rec.get("stderr_tail", "").splitlines() if x.strip()]
+    last = lines[-1].strip() if lines else ""
+    return f"{what}: FAILED (exit status {rec['returncode']}) {last}"
