@@ -62,6 +62,20 @@ class IterationTimes:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # Per blocking collective, in order: (group, category, seconds); split after the run.
     collectives: list[tuple[str, str, float]] = field(default_factory=list)
+    # Per category, (start, end) of each non-blocking collective's time under other work.
+    inflight: dict[str, list[tuple[float, float]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Wall time covered by at least one span: concurrent requests are not counted twice."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def describe(op, rank: int | None = None) -> str:
@@ -316,7 +330,7 @@ class Engine:
         # Exposed: the time blocked here. Hidden: from the start until it was seen complete
         # (or until this wait began), while this rank did other work.
         t.seconds[coll.category] += t1 - t0
-        t.seconds[coll.category + HIDDEN] += (done if done is not None else t0) - started
+        t.inflight[coll.category].append((started, done if done is not None else t0))
         self._finish(coll, buf, state)
 
     # -- --check ---------------------------------------------------------------------------
@@ -364,6 +378,8 @@ class Engine:
                 self._progress()
         if self.pending:
             raise CheckError(f"requests never waited for: {', '.join(self.pending)}")
+        for category, spans in t.inflight.items():
+            t.seconds[category + HIDDEN] = union_seconds(spans)
         t.total = MPI.Wtime() - start
         return t
 

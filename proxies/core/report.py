@@ -18,6 +18,7 @@ LABELS = {
     "dp_reduce_scatter": "data-parallel reduce-scatter",
     "dp_allgather": "data-parallel allgather",
     "embed_allreduce": "tied-embedding allreduce",
+    "emb_alltoall": "embedding all-to-all",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",
 }

@@ -115,8 +115,7 @@ def dry_run(job: Job, args) -> int:
     console.print(
         f"plan valid: {world} ranks, {nmsg:,} messages matched, no deadlock. Predicted "
         f"iteration with compute=model (--device-tflops {args.device_tflops:g}) and free "
-        f"communication: {sim.time:.4f} s (busiest rank computes {busy:.4f} s; the rest is "
-        f"waiting on the pipeline)"
+        f"communication: {sim.time:.4f} s (the busiest rank computes {busy:.4f} s of it)"
     )
     if args.json:
         report.write_json(

@@ -99,12 +99,13 @@ class MLP:
 
 
 def init_table(seed: int, t: int, rows: int, D: int, dtype=np.float32) -> np.ndarray:
-    """dlrm_s_pytorch's init: uniform in +-sqrt(1/R), drawn per table whichever rank owns it."""
+    """dlrm_s_pytorch's init: uniform in +-sqrt(1/R), drawn per table whichever rank owns it,
+    in float32 (tables are large) and then cast, so float64 tables hold the same values."""
     rng = np.random.default_rng([seed, 3, t])
-    table = rng.random((rows, D), dtype=np.dtype(dtype).type)
-    table *= 2 * math.sqrt(1.0 / rows)
-    table -= math.sqrt(1.0 / rows)
-    return table
+    table = rng.random((rows, D), dtype=np.float32)
+    table *= np.float32(2 * math.sqrt(1.0 / rows))
+    table -= np.float32(math.sqrt(1.0 / rows))
+    return table.astype(dtype, copy=False)
 
 
 class DLRMShard:

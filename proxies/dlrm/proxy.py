@@ -54,10 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p = cli.Parser(
         prog=f"python -m {PROG}",
         description="DLRM training proxy: embedding tables model-parallel (table t on rank "
-        "t %% world), bottom and top MLPs data-parallel; real NumPy embedding bags, MLPs, dot "
+        "t % world), bottom and top MLPs data-parallel; real NumPy embedding bags, MLPs, dot "
         "interaction, sigmoid + BCE and SGD; the pooled embeddings and their gradients "
         "exchanged by all-to-all, the MLP gradients allreduced under the backward.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -66,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
         help="preset: dnn-cpp-proxies is the C++ proxy's (4 tables x 80,000 x 128, bottom "
         "128-128-128-128, top 138-512-512-512-256-1, batch 2048); mlperf is MLPerf's "
         "(26 Criteo Terabyte tables, bottom 13-512-256-128, top 479-1024-1024-512-256-1); "
-        "dlrm-tiny is for tests",
+        f"dlrm-tiny is for tests (default {DEFAULT_MODEL})",
     )
     p.add_argument(
         "--batch",
@@ -93,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_ROWS,
         metavar="R",
         help="cap every table at R rows, as dlrm_s_pytorch's --max-ind-range; 0: no cap "
-        "(MLPerf's full tables take 104 GB). Rows change no message size",
+        f"(MLPerf's full tables take 96 GB). Rows change no message size (default "
+        f"{DEFAULT_MAX_ROWS:,})",
     )
     p.add_argument(
         "--lr", type=cli.positive_float, help="SGD learning rate (default: the preset's)"
@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
         default="overlap",
         help="overlap: all-to-alls non-blocking under the bottom MLP, one allreduce per "
         "layer started as its backward ends (dlrm_s_pytorch); cpp: the C++ proxy's order, "
-        "blocking all-to-alls and one allreduce per MLP",
+        "blocking all-to-alls and one allreduce per MLP (default overlap)",
     )
     p.add_argument(
         "--model-times",
@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
         default="cpp",
         help="durations for --compute model: cpp = the C++ proxy's A100 times, scaled "
         "linearly with each op's work (exact for dnn-cpp-proxies on 4 ranks); flops = "
-        "FLOPs / --device-tflops",
+        "FLOPs / --device-tflops (default cpp)",
     )
     cli.add_common(p)
     return p
@@ -407,13 +407,17 @@ def make_job(args, world: int) -> runner.Job:
         f"model-parallel (table t on rank t % {world}, up to {S} per rank"
         + (f"; {padding} empty slot(s) sent as zero padding" if padding else "")
         + f") · schedule {args.schedule}",
-        f"messages per rank: embedding all-to-all {a2a:,} floats ({a2a * 4:,} B) forward and "
-        f"backward ({a2a // world:,} per peer); gradient allreduce "
-        + (
-            f"per layer, top {'/'.join(f'{n:,}' for n in reversed(sizes[0]))}, bottom "
-            f"{'/'.join(f'{n:,}' for n in reversed(sizes[1]))} floats"
-            if args.schedule == "overlap"
-            else f"per MLP, top {sum(sizes[0]):,}, bottom {sum(sizes[1]):,} floats"
+        (
+            f"messages per rank: embedding all-to-all {a2a:,} floats ({a2a * 4:,} B) forward "
+            f"and backward ({a2a // world:,} per peer); gradient allreduce "
+            + (
+                f"per layer as issued, top {'/'.join(f'{n:,}' for n in reversed(sizes[0]))}, "
+                f"bottom {'/'.join(f'{n:,}' for n in reversed(sizes[1]))} floats"
+                if args.schedule == "overlap"
+                else f"per MLP, top {sum(sizes[0]):,}, bottom {sum(sizes[1]):,} floats"
+            )
+            if world > 1
+            else "messages: none on 1 rank (no all-to-all, no allreduce)"
         ),
         f"data: {source.describe()} · lr {cfg.lr:g} · iterations {args.warmup} warm-up + "
         f"{args.iters} timed",

@@ -43,7 +43,6 @@ def parser() -> argparse.ArgumentParser:
         description="GPT-2 training proxy: real NumPy forward/backward per pipeline stage, real "
         "activations and gradients over MPI, data-parallel gradient allreduce, AdamW. "
         "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "layers",
@@ -58,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
         nargs="?",
         default=1,
         metavar="STAGES",
-        help="pipeline stages; data-parallel degree = world size / STAGES",
+        help="pipeline stages (default 1); data-parallel degree = world size / STAGES",
     )
     p.add_argument(
         "micro_batches",
@@ -66,43 +65,49 @@ def parser() -> argparse.ArgumentParser:
         nargs="?",
         default=8,
         metavar="MICROBATCHES",
-        help="micro-batches per iteration per replica",
+        help="micro-batches per iteration per replica (default 8, as the C++ proxy)",
     )
     p.add_argument(
         "--model",
         choices=sorted(PRESETS),
         default=DEFAULT_MODEL,
-        help="preset widths: gpt2 is 124M (C=768), gpt2-tiny is C=64 for tests",
+        help=f"preset widths (default {DEFAULT_MODEL}: C=64, light enough for 32 ranks on 2 "
+        "cores; gpt2 is the 124M model, C=768)",
     )
     p.add_argument(
-        "--seq-len", type=cli.positive_int, default=64, metavar="T", help="tokens per sample"
+        "--seq-len",
+        type=cli.positive_int,
+        default=64,
+        metavar="T",
+        help="tokens per sample (default 64)",
     )
     p.add_argument(
         "--micro-batch",
         type=cli.positive_int,
         default=1,
         metavar="B",
-        help="samples per micro-batch",
+        help="samples per micro-batch (default 1)",
     )
     p.add_argument(
         "--schedule",
         choices=("1f1b", "gpipe"),
         default="1f1b",
-        help="gpipe: all forwards then all backwards (the C++ proxy's order)",
+        help="1f1b (default) or gpipe: all forwards, then all backwards (the C++ proxy's order)",
     )
     p.add_argument(
         "--order",
         default="cpp",
         metavar="ORDER",
         help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
-        "STAGES, as the C++ proxy), megatron = dp-pp (stage = rank // DP)",
+        "STAGES, as the C++ proxy; the default), megatron = dp-pp (stage = rank // DP)",
     )
     p.add_argument(
         "--grad-sync",
         choices=("fused", "per-tensor"),
         default="fused",
         help="data-parallel gradient allreduce: one fused buffer per stage (as the C++ "
-        "proxy) or one message per parameter tensor (the C++ proxy without aggregation)",
+        "proxy; the default) or one message per parameter tensor (the C++ proxy without "
+        "aggregation)",
     )
     p.add_argument(
         "--zero",
@@ -110,10 +115,12 @@ def parser() -> argparse.ArgumentParser:
         choices=(0, 1),
         default=0,
         help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
-        "AdamW on this rank's shard, allgather the parameters",
+        "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
-    p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument(
+        "--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
