@@ -32,7 +32,7 @@ def test_quick_start_run():
     assert "time per iteration" in r.stdout and "loss per iteration" in r.stdout
 
 
-EXAMPLES = commands("Examples") + commands("DLRM proxy")
+EXAMPLES = commands("Examples") + commands("CosmoFlow proxy") + commands("DLRM proxy")
 
 
 def test_examples_are_there():

@@ -75,7 +75,24 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_common(p: argparse.ArgumentParser, *, iters: int = 5, warmup: int = 2) -> None:
+COMPUTE_HELP = (
+    "real: run the NumPy kernels every micro-batch; replay: time each compute op with the "
+    "real kernels once, ranks on a node taking turns, then sleep those times "
+    "(one-device-per-rank timing on few cores); model: sleep FLOPs / --device-tflops (or "
+    "a proxy's known per-op times); none: communication only"
+)
+
+
+def add_common(
+    p: argparse.ArgumentParser,
+    *,
+    iters: int = 5,
+    warmup: int = 2,
+    compute: str | None = "real",
+    compute_help: str = COMPUTE_HELP,
+) -> None:
+    """The shared options. `compute=None` leaves the mode for the proxy to resolve (e.g.
+    per preset); `compute_help` then says how, with the default."""
     g = p.add_argument_group("common proxy options")
     g.add_argument(
         "--iters", type=positive_int, default=iters, help=f"timed iterations (default {iters})"
@@ -89,12 +106,8 @@ def add_common(p: argparse.ArgumentParser, *, iters: int = 5, warmup: int = 2) -
     g.add_argument(
         "--compute",
         choices=COMPUTE_MODES,
-        default="real",
-        help="real: run the NumPy kernels every micro-batch; replay: time each "
-        "compute op with the real kernels once, ranks on a node taking turns, "
-        "then sleep those times (one-device-per-rank timing on few cores); "
-        "model: sleep FLOPs / --device-tflops; none: communication only "
-        "(default real)",
+        default=compute,
+        help=compute_help + (f" (default {compute})" if compute else ""),
     )
     g.add_argument(
         "--device-tflops",

@@ -19,6 +19,12 @@ LABELS = {
     "dp_allgather": "data-parallel allgather",
     "embed_allreduce": "tied-embedding allreduce",
     "emb_alltoall": "embedding all-to-all",
+    "halo": "halo exchange (spatial neighbours)",
+    "sp_allgather": "allgather over the shards (dense inputs)",
+    "sp_reduce_scatter": "reduce-scatter over the shards (dense input gradients)",
+    "conv_allreduce": "conv gradient allreduce (all ranks)",
+    "dense_allreduce": "dense-slice gradient allreduce (replicas)",
+    "data": "synthetic data",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",
 }

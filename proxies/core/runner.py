@@ -114,7 +114,8 @@ def dry_run(job: Job, args) -> int:
     busy = max(sum(op.model_seconds(rate) for op in ops) for ops in computes)
     console.print(
         f"plan valid: {world} ranks, {nmsg:,} messages matched, no deadlock. Predicted "
-        f"iteration with compute=model (--device-tflops {args.device_tflops:g}) and free "
+        f"iteration with compute=model (known per-op times where the proxy has them, else "
+        f"FLOPs at {args.device_tflops:g} TFLOP/s) and free "
         f"communication: {sim.time:.4f} s (the busiest rank computes {busy:.4f} s of it)"
     )
     if args.json:

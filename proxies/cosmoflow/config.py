@@ -21,7 +21,7 @@ ranks holding the same slice (the data-parallel group).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 K = 3  # conv kernel extent: a 1-voxel halo
 POOL = 2  # max-pool window and stride, every conv layer
@@ -213,45 +213,44 @@ def validate(cfg: CosmoFlowConfig, shards: Shards) -> None:
 
 @dataclass(frozen=True)
 class Halo:
-    """One halo message of one conv layer: to/from the neighbour in direction `k`."""
+    """One halo message of one conv layer: to/from the neighbouring shard in direction k."""
 
     k: int
+    shard: int  # the neighbour
     shape: tuple[int, ...]  # (B, D, h, w, C) of the data a convolution needs
-    count: int  # elements sent (>= prod(shape); more under the cpp scheme)
+    factors: tuple[int, ...]  # count = their product: B, D, the face's extent, C
+    why: str  # what the message is, for --dry-run
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.factors)
+
+    @property
+    def kind(self) -> str:
+        di, dj = DIRS[self.k]
+        return "diagonal edge" if di and dj else "n/s face" if di else "w/e face"
 
 
-def halos(
-    cfg: CosmoFlowConfig, shards: Shards, s: int, l: int, phase: str, B: int
-) -> list[Halo]:
+def halos(cfg: CosmoFlowConfig, shards: Shards, s: int, l: int, phase: str, B: int) -> list[Halo]:
     """Halo messages of shard s before conv layer l's forward (its input x, Ci channels) or
     inside its backward (its output gradient dy, Co channels). Layer 0 has none: its input
     halo comes with the data and its input gradient is not needed."""
     if l == 0:
         return []
     ci, co = cfg.channels(l)
-    c = ci if phase == "forward" else co
     d, h, w = shards.local(cfg.extent(l))
     out = []
-    for k, _ in shards.neighbours(s, diagonal=cfg.halo == "exact"):
+    for k, t in shards.neighbours(s, diagonal=cfg.halo == "exact"):
         di, dj = DIRS[k]
-        shape = (B, d, 1 if di else h, 1 if dj else w, c)
-        count = math.prod(shape)
-        if cfg.halo == "cpp" and phase == "forward":
+        shape = (B, d, 1 if di else h, 1 if dj else w, ci if phase == "forward" else co)
+        face = math.prod(shape[2:4])  # h or w for a face, 1 for a diagonal edge
+        if phase == "backward":
+            factors, why = (B, d, face, co), f"conv{l}'s output gradient"
+        elif cfg.halo == "cpp":
             # The previous conv's output face, before pooling: POOL x larger per face axis.
-            count = B * POOL * d * (1 if di else POOL * h) * (1 if dj else POOL * w) * c
-        out.append(Halo(k, shape, count))
+            factors = (B, POOL * d, POOL * face, ci)
+            why = f"conv{l - 1}'s output before pooling (C++ proxy; {POOL**2}x what conv{l} needs)"
+        else:
+            factors, why = (B, d, face, ci), f"conv{l}'s input"
+        out.append(Halo(k, t, shape, factors, why))
     return out
-
-
-def halo_derivation(cfg: CosmoFlowConfig, shards: Shards, l: int, phase: str, B: int) -> str:
-    """How the (largest) face message of layer l is sized, for --dry-run."""
-    ci, co = cfg.channels(l)
-    d, h, w = shards.local(cfg.extent(l))
-    if phase == "backward":
-        return f"face of conv{l}'s output gradient: B {B} x D {d} x w {w} x Co {co}"
-    if cfg.halo == "cpp":
-        return (
-            f"C++: face of conv{l - 1}'s output before pooling: B {B} x D {POOL * d} x w "
-            f"{POOL * w} x Ci {ci} (a convolution needs B {B} x {d} x {w} x {ci})"
-        )
-    return f"face of conv{l}'s input: B {B} x D {d} x w {w} x Ci {ci}"

@@ -20,6 +20,7 @@ gradient with the kernel flipped and transposed, which is why backward exchanges
 from __future__ import annotations
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 K = 3
 TAPS = K**3
@@ -30,13 +31,21 @@ TAPS = K**3
 
 
 def im2col(cols: np.ndarray, x_pad: np.ndarray) -> None:
-    """cols (N, 27*C) <- the 3x3x3 neighbourhoods of x_pad (B, D+2, H+2, W+2, C)."""
+    """cols (N, 27*C) <- the 3x3x3 neighbourhoods of x_pad (B, D+2, H+2, W+2, C), taps in
+    (kd, kh, kw) order, channels fastest.
+
+    For one (kd, kh) the 3 kw taps x C channels of a voxel are 3C consecutive numbers of
+    x_pad's row, so each of the 9 copies moves runs of 3C (a view with overlapping windows),
+    not of C: 2-3x faster at the small channel counts of the first layers."""
     B, Dp, Hp, Wp, C = x_pad.shape
     D, H, W = Dp - 2, Hp - 2, Wp - 2
-    view = cols.reshape(B, D, H, W, TAPS, C)
-    for t in range(TAPS):
-        kd, kh, kw = np.unravel_index(t, (K, K, K))
-        view[:, :, :, :, t, :] = x_pad[:, kd : kd + D, kh : kh + H, kw : kw + W, :]
+    s = x_pad.strides
+    assert s[3:] == (C * x_pad.itemsize, x_pad.itemsize), "x_pad rows must be contiguous"
+    view = cols.reshape(B, D, H, W, K * K, K * C)
+    for t in range(K * K):
+        kd, kh = divmod(t, K)
+        rows = x_pad[:, kd:, kh:]
+        view[:, :, :, :, t, :] = as_strided(rows, (B, D, H, W, K * C), s, writeable=False)
 
 
 def conv3d_forward(

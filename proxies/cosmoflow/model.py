@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from proxies.cosmoflow import kernels as Kn
-from proxies.cosmoflow.config import DIRS, K, CosmoFlowConfig, Shards
+from proxies.cosmoflow.config import DIRS, CosmoFlowConfig, K, Shards
 
 
 def glorot(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int):
@@ -40,9 +40,11 @@ def face_index(k: int, shape: tuple[int, ...], pad: bool) -> tuple:
     di, dj = DIRS[k]
 
     def axis(delta: int, n: int) -> slice:
-        if pad:
-            return slice(0, 1) if delta < 0 else slice(n + 1, n + 2) if delta > 0 else slice(1, n + 1)
-        return slice(0, 1) if delta < 0 else slice(n - 1, n) if delta > 0 else slice(0, n)
+        if delta < 0:  # first cell (the border's in a padded array)
+            return slice(0, 1)
+        if delta > 0:  # last cell
+            return slice(n + 1, n + 2) if pad else slice(n - 1, n)
+        return slice(1, n + 1) if pad else slice(0, n)  # the whole interior
 
     depth = slice(1, d + 1) if pad else slice(0, d)
     return (slice(None), depth, axis(di, h), axis(dj, w), slice(None))
@@ -178,22 +180,14 @@ class ShardModel:
             self.dy_pad.append(z(B, d + 2, h + 2, w + 2, co) if l else None)
             self.dcols.append(z(N, K**3 * co) if l else None)
             self.dx.append(z(B, d, h, w, ci) if l else None)
-        self.d_inp, self.d_pre, self.d_out, self.d_dinp, self.d_dpre, self.d_dout = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
+        # dense layer k: its whole input (set by dense_forward), this shard's O/S columns
+        # before and after the activation, their gradients, and the partial input gradient
+        widths = [cfg.dense_io(k) for k in range(len(cfg.dense))]
+        self.d_inp: list = [None] * len(widths)
+        self.d_pre, self.d_out, self.d_dpre, self.d_dout = (
+            [z(B, o // S) for _, o in widths] for _ in range(4)
         )
-        for k in range(len(cfg.dense)):
-            i, o = cfg.dense_io(k)
-            self.d_inp.append(None)  # set by dense_forward (a view of the gathered input)
-            self.d_pre.append(z(B, o // S))
-            self.d_out.append(z(B, o // S))
-            self.d_dpre.append(z(B, o // S))
-            self.d_dout.append(z(B, o // S))
-            self.d_dinp.append(z(B, i))
+        self.d_dinp = [z(B, i) for i, _ in widths]
         self.target = z(B, cfg.dense[-1] // S)
 
     @property

@@ -1,0 +1,3 @@
+from proxies.cosmoflow.proxy import entry
+
+entry()

@@ -1,0 +1,573 @@
+"""The CosmoFlow proxy: spatial (model) x data parallelism on a 3D CNN.
+
+    mpirun -n 8 python -m proxies.cosmoflow --shards 4    # 2 data-parallel x 4 spatial shards
+
+Each rank holds one spatial shard (an H x W tile of every volume, D whole) of one
+data-parallel replica, as the C++ proxy (spcl/DNN-cpp-proxies): shard = rank % shards. One
+iteration, as that proxy orders it:
+
+    forward   data; conv0; for conv1..: halo exchange with the neighbours, conv
+              for each dense layer: allgather its input over the shards, dense
+    backward  for each dense layer, last first: dense backward, reduce-scatter of its input
+              gradient; then the dense gradients (one fused buffer, as the C++ proxy) start
+              their allreduce over the replicas, non-blocking
+              for each conv layer, last first: weight gradient, its allreduce over all ranks
+              starts (non-blocking), halo exchange of the output gradient, input gradient
+    then      wait for every allreduce; SGD with momentum
+
+The messages are the C++ proxy's; one order differs: it starts a conv layer's allreduce after
+that layer's backward halo exchange, we start it as soon as the weight gradient exists.
+
+The non-blocking allreduces run under the rest of backward; the engine polls them between
+ops (the C++ proxy's MPI_Testany) and reports what finished under other work as
+`<category>_hidden` and what the final waits blocked for as `<category>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from proxies.core import cli, runner
+from proxies.core.grid import ProcessGrid
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.cosmoflow.config import (
+    CPP_BWD_US,
+    CPP_FWD_US,
+    CPP_REFERENCE,
+    CPP_SHARDS,
+    DIR_NAMES,
+    PRESETS,
+    CosmoFlowConfig,
+    K,
+    Shards,
+    halos,
+    opposite,
+    parse_shards,
+    validate,
+)
+
+PROG = "proxies.cosmoflow"
+DEFAULT_MODEL = "cosmoflow-tiny"
+PHASES = ("forward", "backward")
+ORDERS = ("sp-dp", "dp-sp")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli.Parser(
+        prog=f"python -m {PROG}",
+        description="CosmoFlow training proxy: each volume split over spatial shards (halo "
+        "exchange per conv layer, dense layers spread over the shards), data parallelism over "
+        "the rest of the ranks, gradient allreduces overlapped with backward.",
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=DEFAULT_MODEL,
+        help="cosmoflow: MLPerf HPC (128^3 x 4, conv 32..512, dense 128-64-4); "
+        "dnn-cpp-proxies: the same with the C++ proxy's message sizes and A100 layer times; "
+        "cosmoflow-tiny: 32^3, 4 conv layers, for tests and CI (the default)",
+    )
+    p.add_argument(
+        "--shards",
+        default="4",
+        metavar="N|PYxPX",
+        help="spatial shards per replica: a count (4 -> 2x2, 8 -> 2x4) or a split of H x W "
+        "(1x4); data-parallel degree = world size / shards (default 4: 2x2, as the C++ proxy)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=cli.positive_int,
+        metavar="G",
+        help="samples per iteration over all replicas, a multiple of the replicas (default: "
+        "the preset's batch per replica x replicas: 8 for the 128^3 presets, as the C++ "
+        "proxy, 2 for cosmoflow-tiny)",
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="sp-dp",
+        help="rank order, fastest first (default sp-dp: shard = rank %% shards, as the C++ "
+        "proxy; dp-sp: the shards of a replica are far apart)",
+    )
+    p.add_argument(
+        "--lr",
+        type=cli.positive_float,
+        default=1e-3,
+        help="SGD learning rate (default 0.001, the MLPerf reference's base rate)",
+    )
+    p.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD momentum (default 0.9, as MLPerf)"
+    )
+    p.add_argument(
+        "--layer-times",
+        choices=("a100", "flops"),
+        default="a100",
+        help="--compute model: a100 = the C++ proxy's per-layer A100 times, scaled by each "
+        "layer's FLOPs relative to its configuration (so exactly its times there; the "
+        "default); flops = FLOPs / --device-tflops",
+    )
+    cli.add_common(
+        p,
+        compute=None,  # resolved per preset in make_job
+        compute_help=(
+            "real: the NumPy kernels (conv3d, pooling, dense, with backward) on real data; "
+            "replay: each compute op timed once with the real kernels, ranks on a node "
+            "taking turns, then slept; model: sleep per-layer times (see --layer-times); "
+            "none: communication only (default: real for cosmoflow-tiny, model for the "
+            "128^3 presets)"
+        ),
+    )
+    return p
+
+
+# -- sizes and times -----------------------------------------------------------------------
+
+
+def tag(l: int, phase: str, k: int) -> int:
+    """Halo tag: conv layer, phase and the sender's direction (below 32768 for l < 1000)."""
+    return 16 * (2 * l + PHASES.index(phase)) + k
+
+
+def conv_flops(cfg: CosmoFlowConfig, shards: Shards, l: int, B: int) -> float:
+    """One pass (forward, weight gradient or input gradient) of conv layer l on one shard:
+    2 per multiply-add, 27 Ci Co per output voxel."""
+    d, h, w = shards.local(cfg.extent(l))
+    ci, co = cfg.channels(l)
+    return 2.0 * B * d * h * w * K**3 * ci * co
+
+
+def dense_flops(cfg: CosmoFlowConfig, shards: Shards, k: int, B: int) -> float:
+    """Forward of dense layer k's columns on one shard (backward is twice this)."""
+    i, o = cfg.dense_io(k)
+    return 2.0 * B * i * (o // shards.size)
+
+
+def a100_seconds(cfg: CosmoFlowConfig, shards: Shards, B: int) -> dict[str, float]:
+    """Per compute op: the C++ proxy's A100 time of the same layer, scaled by FLOPs relative
+    to its configuration (batch 8, 2x2 shards, 128^3): its exact times there. Its conv
+    backward (one number, 2 x forward) is split evenly between the weight and the input
+    gradient; conv0 has no input gradient and keeps its whole backward time."""
+    ref, rs, rb = CPP_REFERENCE, Shards(*CPP_SHARDS), 8
+    out = {}
+    for l in range(cfg.layers):
+        r = min(l, ref.layers - 1)  # deeper than the reference: its last layer's rate
+        ratio = conv_flops(cfg, shards, l, B) / conv_flops(ref, rs, r, rb)
+        bwd = CPP_BWD_US[len(ref.dense) + ref.layers - 1 - r] * 1e-6 * ratio
+        out[f"conv{l}.forward"] = CPP_FWD_US[r] * 1e-6 * ratio
+        out[f"conv{l}.backward_weights"] = bwd if l == 0 else bwd / 2
+        if l:
+            out[f"conv{l}.backward_data"] = bwd / 2
+    nd = len(ref.dense)
+    for k in range(len(cfg.dense)):
+        r = min(k, nd - 1)
+        ratio = dense_flops(cfg, shards, k, B) / dense_flops(ref, rs, r, rb)
+        out[f"dense{k}.forward"] = CPP_FWD_US[ref.layers + r] * 1e-6 * ratio
+        out[f"dense{k}.backward"] = CPP_BWD_US[nd - 1 - r] * 1e-6 * ratio
+    return out
+
+
+# -- the runtime (buffers and real compute) ------------------------------------------------
+
+
+class CosmoFlowRuntime:
+    """Buffers and compute of one rank: a ShardModel for real/replay compute, plain buffers
+    of the plan's sizes for model/none. Buffers are allocated from the plan itself."""
+
+    def __init__(
+        self,
+        cfg: CosmoFlowConfig,
+        shards: Shards,
+        s: int,
+        d: int,
+        B: int,
+        G: int,
+        plan: Plan,
+        mode: str,
+        seed: int = 0,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        dtype=np.float32,
+    ):
+        self.cfg, self.shards, self.s, self.d, self.B, self.G = cfg, shards, s, d, B, G
+        self.seed, self.lr, self.momentum, self.dtype = seed, lr, momentum, dtype
+        self.model = None
+        S = shards.size
+        if mode in ("real", "replay"):
+            from proxies.cosmoflow.model import ShardModel
+
+            self.model = ShardModel(cfg, shards, s, B, seed=seed, dtype=dtype)
+        bufs: dict[str, np.ndarray] = {}
+        for _, m, _ in plan.messages():
+            bufs[m.buf] = np.zeros(m.count, dtype)
+        for k in range(len(cfg.dense)):
+            i = cfg.dense_io(k)[0]
+            bufs[f"dense{k}.in"] = np.zeros(B * i, dtype)  # whole: S blocks of B * i / S
+            bufs[f"dense{k}.din"] = np.zeros(B * i, dtype)
+        m = self.model
+        for l in range(cfg.layers):
+            bufs[f"conv{l}.grads"] = m.conv_g[l] if m else np.zeros(cfg.conv_params(l), dtype)
+        n = sum(cfg.dense_params(k, S) for k in range(len(cfg.dense)))
+        bufs["dense.grads"] = m.dense_g if m else np.zeros(n, dtype)
+        self.bufs = bufs
+        # Halo messages per (layer, phase): (direction, send buffer, recv buffer).
+        self.halo = {
+            (l, ph): [
+                (h.k, bufs[halo_buf(l, ph, h.k, "to")], bufs[halo_buf(l, ph, h.k, "from")])
+                for h in halos(cfg, shards, s, l, ph, B)
+            ]
+            for l in range(1, cfg.layers)
+            for ph in PHASES
+        }
+        self.loss_sum, self.loss_count = 0.0, 0
+
+    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        return self.bufs[name]
+
+    def _block(self, name: str) -> np.ndarray:
+        """This shard's block of a whole allgather / reduce-scatter buffer."""
+        return self.bufs[name].reshape(self.shards.size, -1)[self.s]
+
+    def compute(self, op: Compute, iteration: int) -> None:
+        from proxies.cosmoflow import model as M
+
+        m, cfg, S = self.model, self.cfg, self.shards.size
+        L, last = cfg.layers, len(cfg.dense) - 1
+        layer, _, step = op.name.partition(".")
+        if op.name == "data":
+            first = iteration * self.G + self.d * self.B  # global sample index
+            m.load([M.sample(cfg, self.seed, first + b, self.dtype) for b in range(self.B)])
+        elif op.name == "optimizer":
+            m.step(self.lr, self.momentum)
+            m.zero_grad()
+        elif layer.startswith("conv") and step == "forward":
+            l = int(layer[4:])
+            for k, _, recv in self.halo.get((l, "forward"), []):
+                M.unpack_face(m.x_pad[l], recv, k)
+            out = m.conv_forward(l)
+            if l + 1 < L:  # the next layer's input, and the faces its neighbours need
+                d, h, w = m.local[l + 1]
+                m.x_pad[l + 1][:, 1 : d + 1, 1 : h + 1, 1 : w + 1] = out
+                for k, send, _ in self.halo[(l + 1, "forward")]:
+                    M.pack_face(send, out, k)
+            else:
+                self._block("dense0.in")[...] = out.reshape(-1)
+        elif layer.startswith("dense") and step == "forward":
+            k = int(layer[5:])
+            whole = self.bufs[f"dense{k}.in"]
+            if k == 0:
+                inp = M.features_from_blocks(whole, self.shards, m.conv_out_local)
+            else:
+                inp = M.columns_from_blocks(whole, S, self.B)
+            out = m.dense_forward(k, inp)
+            if k < last:
+                self._block(f"dense{k + 1}.in")[...] = out.reshape(-1)
+            else:
+                # The mean over the global batch and the outputs; the gradients' sum over
+                # the replicas is then the gradient of the global loss.
+                self.loss_sum += m.loss(1.0 / (cfg.dense[-1] * self.G))
+                self.loss_count += self.s == 0 and self.d == 0
+        elif layer.startswith("dense") and step == "backward":
+            k = int(layer[5:])
+            dout = None if k == last else self._block(f"dense{k + 1}.din")
+            dinp = m.dense_backward(k, dout)
+            if k == 0:
+                M.blocks_from_features(self.bufs["dense0.din"], dinp, self.shards, m.conv_out_local)
+            else:
+                M.blocks_from_columns(self.bufs[f"dense{k}.din"], dinp, S)
+        elif layer.startswith("conv") and step == "backward_weights":
+            l = int(layer[4:])
+            dpooled = self._block("dense0.din") if l == L - 1 else m.dx[l + 1]
+            dy = m.conv_backward_weights(l, dpooled)
+            if l:
+                d, h, w = m.local[l]
+                m.dy_pad[l][:, 1 : d + 1, 1 : h + 1, 1 : w + 1] = dy
+                for k, send, _ in self.halo[(l, "backward")]:
+                    M.pack_face(send, dy, k)
+        elif layer.startswith("conv") and step == "backward_data":
+            l = int(layer[4:])
+            for k, _, recv in self.halo[(l, "backward")]:
+                M.unpack_face(m.dy_pad[l], recv, k)
+            m.conv_backward_data(l)
+        else:
+            raise ValueError(f"unknown compute op {op.name}")
+
+    def finish_iteration(self, iteration: int) -> tuple[float, int]:
+        """(this rank's share of the global mean loss, 1 on rank 0 else 0): their sums over
+        the ranks are the loss and 1."""
+        out = (self.loss_sum, int(self.loss_count))
+        self.loss_sum, self.loss_count = 0.0, 0
+        return out
+
+
+def halo_buf(l: int, phase: str, k: int, way: str) -> str:
+    """'conv2.x.to_e' (forward: the input x) or 'conv2.dy.from_n' (backward: the output
+    gradient), the direction seen from this shard."""
+    return f"conv{l}.{'x' if phase == 'forward' else 'dy'}.{way}_{DIR_NAMES[k]}"
+
+
+# -- the job -------------------------------------------------------------------------------
+
+
+def make_job(args, world: int) -> runner.Job:
+    cfg = PRESETS[args.model]
+    try:
+        shards = parse_shards(args.shards)
+    except ValueError as e:
+        raise cli.UsageError(f"--shards: {e}") from None
+    if args.compute is None:
+        args.compute = cfg.compute
+    if cfg.halo == "cpp" and args.compute in ("real", "replay"):
+        raise cli.UsageError(
+            f"--model {args.model} sends the C++ proxy's halo sizes (forward faces sized before "
+            f"pooling, no diagonal neighbours), which cannot carry a sharded convolution's data: "
+            f"--compute {args.compute} needs --model cosmoflow; use --compute model or none"
+        )
+    S = shards.size
+    if world % S:
+        raise cli.UsageError(
+            f"world size {world} is not a multiple of --shards {S} ({shards}): the "
+            "data-parallel degree is world size / shards"
+        )
+    try:
+        validate(cfg, shards)
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
+    dp = world // S
+    G = args.global_batch or cfg.batch * dp
+    if G % dp:
+        raise cli.UsageError(
+            f"--global-batch {G} is not divisible by the {dp} data-parallel replicas "
+            f"(world size {world} / {S} shards)"
+        )
+    if not 0 <= args.momentum < 1:
+        raise cli.UsageError(f"--momentum {args.momentum}: must be in [0, 1)")
+    B = G // dp
+    L, nd = cfg.layers, len(cfg.dense)
+    grid = ProcessGrid.create(args.order, sp=S, dp=dp)
+    times = a100_seconds(cfg, shards, B) if args.layer_times == "a100" else {}
+    real = args.compute in ("real", "replay")
+
+    def compute(name: str, flops: float) -> Compute:
+        return Compute(name, flops=flops, seconds=times.get(name, 0.0))
+
+    def halo_op(rank: int, l: int, phase: str) -> P2P | None:
+        c = grid.coords(rank)
+        s, sends, recvs = c["sp"], [], []
+        for h in halos(cfg, shards, s, l, phase, B):
+            peer = grid.rank_of(sp=h.shard, dp=c["dp"])
+            sends.append(Msg(peer, tag(l, phase, h.k), halo_buf(l, phase, h.k, "to"), 0, h.count))
+            recvs.append(
+                Msg(peer, tag(l, phase, opposite(h.k)), halo_buf(l, phase, h.k, "from"), 0, h.count)
+            )
+        if not sends:
+            return None
+        return P2P(f"halo {phase} conv{l}", tuple(sends), tuple(recvs), category="halo")
+
+    def plan(rank: int) -> Plan:
+        c = grid.coords(rank)
+        groups = {
+            "sp": grid.group("sp", rank),
+            "dp": grid.group("dp", rank),
+            "world": tuple(range(world)),
+        }
+        # Synthetic volumes (category "data") only where the compute is real: the C++ proxy
+        # has no data loading.
+        ops: list = [Compute("data", category="data")] if real else []
+        # forward
+        for l in range(L):
+            if l and (op := halo_op(rank, l, "forward")):
+                ops.append(op)
+            ops.append(compute(f"conv{l}.forward", conv_flops(cfg, shards, l, B)))
+        for k in range(nd):
+            if S > 1:
+                ops.append(Collective("allgather", "sp", f"dense{k}.in", B * cfg.dense_io(k)[0]))
+            ops.append(compute(f"dense{k}.forward", dense_flops(cfg, shards, k, B)))
+        # backward
+        for k in reversed(range(nd)):
+            ops.append(compute(f"dense{k}.backward", 2 * dense_flops(cfg, shards, k, B)))
+            if S > 1:
+                n = B * cfg.dense_io(k)[0]
+                ops.append(Collective("reduce_scatter", "sp", f"dense{k}.din", n))
+        reqs = []
+        if dp > 1:
+            n = sum(cfg.dense_params(k, S) for k in range(nd))
+            ops.append(
+                Collective(
+                    "allreduce", "dp", "dense.grads", n, req="dense", category="dense_allreduce"
+                )
+            )
+            reqs.append("dense")
+        for l in reversed(range(L)):
+            ops.append(compute(f"conv{l}.backward_weights", conv_flops(cfg, shards, l, B)))
+            if world > 1:
+                ops.append(
+                    Collective(
+                        "allreduce",
+                        "world",
+                        f"conv{l}.grads",
+                        cfg.conv_params(l),
+                        req=f"conv{l}",
+                        category="conv_allreduce",
+                    )
+                )
+                reqs.append(f"conv{l}")
+            if l:
+                if op := halo_op(rank, l, "backward"):
+                    ops.append(op)
+                ops.append(compute(f"conv{l}.backward_data", conv_flops(cfg, shards, l, B)))
+        ops += [Wait(r) for r in reqs]
+        ops.append(Compute("optimizer"))
+        return Plan(rank, tuple(ops), groups, c)
+
+    def label(rank: int) -> str:
+        s = grid.coords(rank)["sp"]
+        si, sj = shards.coords(s)
+        return f"shard {s} ({si},{sj})"
+
+    def runtime(rank, MPI, comms, mode, dtype=np.float32):
+        c = grid.coords(rank)
+        return CosmoFlowRuntime(
+            cfg,
+            shards,
+            c["sp"],
+            c["dp"],
+            B,
+            G,
+            plan(rank),
+            mode,
+            seed=args.seed,
+            lr=args.lr,
+            momentum=args.momentum,
+            dtype=dtype,
+        )
+
+    config = {
+        "model": args.model,
+        "volume": list(cfg.volume),
+        "in_channels": cfg.in_channels,
+        "filters": list(cfg.filters),
+        "dense": list(cfg.dense),
+        "kernel": K,
+        "params": cfg.num_params,
+        "halo": cfg.halo,
+        "shards": str(shards),
+        "sp": S,
+        "dp": dp,
+        "order": grid.order,
+        "global_batch": G,
+        "batch_per_replica": B,
+        "compute": args.compute,
+        "layer_times": args.layer_times,
+        "optimizer": "sgd-momentum",
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "seed": args.seed,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "check": args.check,
+        "allreduce": args.allreduce,
+        "device_tflops": args.device_tflops,
+    }
+    header = describe(cfg, shards, dp, B, G, args)
+    if args.dry_run:
+        header += derivation(cfg, shards, B, world)
+    return runner.Job(
+        PROG,
+        "cosmoflow",
+        config,
+        grid,
+        plan,
+        ("sp", "dp", "world"),
+        label,
+        header,
+        runtime,
+    )
+
+
+def describe(cfg: CosmoFlowConfig, shards: Shards, dp: int, B: int, G: int, args) -> list[str]:
+    D, H, W = cfg.volume
+    d, h, w = shards.local(cfg.volume)
+    S = shards.size
+    world = S * dp
+    conv = "-".join(map(str, cfg.filters))
+    fwd_halo = sum(x.count for x in halos(cfg, shards, 0, 1, "forward", B)) if cfg.layers > 1 else 0
+    if args.compute == "model":
+        how = (
+            "the C++ proxy's per-layer A100 times scaled by FLOPs"
+            if args.layer_times == "a100"
+            else f"FLOPs / {args.device_tflops:g} TFLOP/s"
+        )
+        compute = f"compute model: {how}"
+    else:
+        compute = f"compute {args.compute}"
+    dense_n = sum(cfg.dense_params(k, S) for k in range(len(cfg.dense)))
+    return [
+        f"[bold]{PROG}[/] · {args.model}: {D}x{H}x{W} x {cfg.in_channels} input, conv {conv} "
+        f"(kernel {K}, each + 2x2x2 max-pool), dense {'-'.join(map(str, cfg.dense))} · "
+        f"{cfg.num_params:,} parameters",
+        f"grid: {S} spatial shards ({shards}: {d}x{h}x{w} voxels each) x {dp} data-parallel "
+        f"(order {args.order}) · global batch {G} = {dp} x {B} · SGD momentum {args.momentum:g}, "
+        f"lr {args.lr:g} · {compute}",
+        f"messages: halos {cfg.halo} (shard 0, conv1 forward: {fwd_halo:,} floats) · dense "
+        f"allgather / reduce-scatter over the {S} shard(s) · gradient allreduces non-blocking: "
+        f"conv layers over all {world} rank(s), each shard's dense slice ({dense_n:,} floats) "
+        f"over {dp} replica(s) · iterations {args.warmup} warm-up + {args.iters} timed",
+    ]
+
+
+def derivation(cfg: CosmoFlowConfig, shards: Shards, B: int, world: int) -> list[str]:
+    """Every message size of one iteration from the layer shapes (float32 elements)."""
+    S, dp = shards.size, world // shards.size
+    lines = [
+        f"[bold]message sizes[/], derived from the layer shapes (B = {B} samples per replica, "
+        f"{shards} shards, elements of float32):"
+    ]
+    for l in range(cfg.layers):
+        ci, co = cfg.channels(l)
+        d, h, w = shards.local(cfg.extent(l))
+        lines.append(
+            f"  conv{l}: input {'x'.join(map(str, cfg.extent(l)))} x {ci}, per shard {d}x{h}x{w}"
+            f" -> {co} filters -> pool -> {d // 2}x{h // 2}x{w // 2} x {co}; weights "
+            f"{K}^3*{ci}*{co} + {co} = {cfg.conv_params(l):,} -> allreduce over {world} ranks"
+        )
+        for phase in ("forward", "backward"):
+            seen = {}
+            for s in range(S):
+                for x in halos(cfg, shards, s, l, phase, B):
+                    seen.setdefault((x.kind, x.count), x)
+            for (kind, count), x in seen.items():
+                lines.append(
+                    f"    halo {phase} {kind}: {x.why}: "
+                    + " x ".join(map(str, x.factors))
+                    + f" = {count:,}"
+                )
+    F = cfg.features
+    fd = "x".join(map(str, cfg.extent(cfg.layers)))
+    total = 0
+    for k in range(len(cfg.dense)):
+        i, o = cfg.dense_io(k)
+        what = f"conv output {fd} x {cfg.filters[-1]} = {F:,}" if k == 0 else f"dense{k - 1}"
+        n = cfg.dense_params(k, S)
+        total += n
+        lines.append(
+            f"  dense{k}: input {i:,} ({what}); {o} columns / {S} shards = {o // S} per shard: "
+            f"({i:,} + 1) x {o // S} = {n:,} weights; allgather of the input B*I/S = "
+            f"{B} x {i:,} / {S} = {B * i // S:,} per shard (whole {B * i:,}), reduce-scatter of "
+            f"its gradient the same"
+        )
+    parts = " + ".join(f"{cfg.dense_params(k, S):,}" for k in range(len(cfg.dense)))
+    lines.append(
+        f"  dense gradients per shard: {parts} = {total:,} -> one allreduce over the {dp} "
+        "replicas holding the same slice"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    return runner.main(make_job, parser(), argv)
+
+
+def entry() -> None:
+    cli.run_main(PROG, main)
