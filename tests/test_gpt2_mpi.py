@@ -66,6 +66,15 @@ def test_gradient_sync_options_train_the_same(tmp_path, ranks, stages, extra):
         assert {"dp_reduce_scatter", "dp_allgather"} <= set(got["breakdown_s"])
 
 
+@pytest.mark.parametrize("alg", ["ring", "rhd", "dbtree", "hier", "tree", "naive"])
+def test_allreduce_algorithms_train_the_same(tmp_path, alg):
+    """Our allreduces over point-to-point (3 data-parallel replicas: not a power of two)."""
+    ref = losses(tmp_path, 1, 4, 1, 6)
+    got = losses(tmp_path, 3, 4, 1, 2, "--allreduce", alg, "--check")
+    assert got["config"]["allreduce"] == alg
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+
+
 def test_results_json_has_the_contract_fields(tmp_path):
     got = losses(tmp_path, 4, 4, 2, 4)
     for key in (

@@ -15,6 +15,10 @@ size, so load that drifts over the run touches them alike. Columns (nccl-tests):
     vs mpi  busbw / MPI Allreduce's busbw at the same size
     #wrong  with -c: elements that differ from NumPy's sum, over all ranks (N/A without)
 
+With --wait yield (auto's choice when ranks outnumber cores) every algorithm completes its
+requests by test-and-sleep, as the engine does, and `mpi` is Iallreduce + that wait; with
+--wait spin the algorithms use MPI's blocking Waitall and `mpi` is the blocking Allreduce.
+
 Timed buffers hold zeros (repeated in-place sums of anything else overflow; an add costs
 the same whatever the finite values). The check is a separate call on small integers,
 whose sums are exact in every order, so the expected values are exact too.
@@ -22,10 +26,9 @@ whose sums are exact in every order, so the expected values are exact too.
 
 from __future__ import annotations
 
-import json
+import argparse
 import re
 import statistics
-import sys
 
 import numpy as np
 
@@ -41,7 +44,7 @@ def parse_size(text: str) -> int:
     """nccl-tests sizes: 8, 64K, 128M, 1G (binary multiples; a trailing B is allowed)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)[Bb]?\s*", text)
     if not m:
-        raise cli.argparse.ArgumentTypeError(
+        raise argparse.ArgumentTypeError(
             f"expected a size in bytes like 8, 64K, 128M or 1G, got {text!r}"
         )
     return int(m.group(1)) * UNITS[m.group(2).upper()]
@@ -50,7 +53,7 @@ def parse_size(text: str) -> int:
 def factor(text: str) -> int:
     value = cli.positive_int(text)
     if value < 2:
-        raise cli.argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
     return value
 
 
@@ -60,30 +63,76 @@ def parser() -> cli.Parser:
         description="Allreduce algorithms over point-to-point vs MPI's own: time, algbw, "
         "busbw per size, as nccl-tests' all_reduce_perf prints them.",
     )
-    p.add_argument("-b", "--minbytes", type=parse_size, default=8, metavar="SIZE",
-                   help="smallest size in bytes, K/M/G suffixes allowed (default 8)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20, metavar="SIZE",
-                   help="largest size in bytes (default 32M)")
-    p.add_argument("-f", "--stepfactor", type=factor, default=2, metavar="F",
-                   help="multiply the size by F between rows (default 2)")
-    p.add_argument("-a", "--algorithms", default=",".join(ALGORITHMS), metavar="LIST",
-                   help=f"comma-separated, from {', '.join(ALGORITHMS)} (default all)")
-    p.add_argument("-n", "--iters", type=cli.positive_int, default=20,
-                   help="timed calls per size and algorithm (default 20)")
-    p.add_argument("-w", "--warmup", type=cli.nonneg_int, default=5,
-                   help="untimed calls before them (default 5)")
-    p.add_argument("-c", "--check", action="store_true",
-                   help="after timing, one more call on known data, compared with NumPy; "
-                   "the #wrong column counts the elements that differ")
-    p.add_argument("-d", "--dtype", choices=DTYPES, default="float32",
-                   help="element type (default float32)")
-    p.add_argument("--ranks-per-node", type=cli.positive_int, metavar="R",
-                   help="hier: nodes of R consecutive ranks (default: MPI's shared-memory "
-                   "split, one node per machine)")
-    p.add_argument("--wait", choices=("auto", "spin", "yield"), default="auto",
-                   help="spin: MPI's blocking waits; yield: test and sleep 20 us..1 ms "
-                   "(the engine's Waiter); auto: yield when a node has more ranks than "
-                   "cores (default)")
+    p.add_argument(
+        "-b",
+        "--minbytes",
+        type=parse_size,
+        default=8,
+        metavar="SIZE",
+        help="smallest size in bytes, K/M/G suffixes allowed (default 8)",
+    )
+    p.add_argument(
+        "-e",
+        "--maxbytes",
+        type=parse_size,
+        default=32 << 20,
+        metavar="SIZE",
+        help="largest size in bytes (default 32M)",
+    )
+    p.add_argument(
+        "-f",
+        "--stepfactor",
+        type=factor,
+        default=2,
+        metavar="F",
+        help="multiply the size by F between rows (default 2)",
+    )
+    p.add_argument(
+        "-a",
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        metavar="LIST",
+        help=f"comma-separated, from {', '.join(ALGORITHMS)} (default all)",
+    )
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=cli.positive_int,
+        default=20,
+        help="timed calls per size and algorithm (default 20)",
+    )
+    p.add_argument(
+        "-w",
+        "--warmup",
+        type=cli.nonneg_int,
+        default=5,
+        help="untimed calls before them (default 5)",
+    )
+    p.add_argument(
+        "-c",
+        "--check",
+        action="store_true",
+        help="after timing, one more call on known data, compared with NumPy; "
+        "the #wrong column counts the elements that differ",
+    )
+    p.add_argument(
+        "-d", "--dtype", choices=DTYPES, default="float32", help="element type (default float32)"
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=cli.positive_int,
+        metavar="R",
+        help="hier: nodes of R consecutive ranks (default: MPI's shared-memory "
+        "split, one node per machine)",
+    )
+    p.add_argument(
+        "--wait",
+        choices=("auto", "spin", "yield"),
+        default="auto",
+        help="spin: MPI's blocking waits; yield: test and sleep 20 us..1 ms "
+        "(the engine's Waiter); auto: yield when a node has more ranks than "
+        "cores (default)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rank 0)")
     return p
 
@@ -112,10 +161,8 @@ def resolve(args) -> list[str]:
     algs = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algs if a not in ALGORITHMS]
     if unknown or not algs:
-        raise cli.UsageError(
-            f"-a/--algorithms: unknown algorithm {unknown[0] if unknown else '(none)'!r} "
-            f"(choose from {', '.join(ALGORITHMS)})"
-        )
+        what = f"unknown algorithm {unknown[0]!r}" if unknown else "no algorithm given"
+        raise cli.UsageError(f"-a/--algorithms: {what} (choose from {', '.join(ALGORITHMS)})")
     if args.maxbytes < args.minbytes:
         raise cli.UsageError(
             f"-e/--maxbytes {args.maxbytes} is smaller than -b/--minbytes {args.minbytes}"
@@ -125,8 +172,21 @@ def resolve(args) -> list[str]:
     return list(dict.fromkeys(algs))
 
 
+def resolve_wait(MPI, comm, mode: str) -> str:
+    """auto: yield when some node has more ranks than cores (as the proxies decide)."""
+    if mode != "auto":
+        return mode
+    from proxies.core import threads
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    crowded = node.allreduce(node.size > threads.cores_available(), op=MPI.LOR)
+    node.Free()
+    return "yield" if crowded else "spin"
+
+
 def time_one(comm, MPI, waiter, alg, buf, args, wait) -> float:
     """Seconds per call: warm-up, barrier, timed loop; the slowest rank's mean."""
+
     def call():
         allreduce(comm, buf, alg, wait=wait, ranks_per_node=args.ranks_per_node)
 
@@ -162,37 +222,51 @@ def header(comm, MPI, args, wait: str) -> list[str]:
     ]
 
 
-def line(row: dict, ratio: float | None) -> str:
-    vs = f"{ratio:6.2f}" if ratio is not None else f"{'':>6}"
-    wrong_ = f"{row['wrong']:>7}" if row["wrong"] is not None else f"{'N/A':>7}"
+def make_row(alg: str, count: int, dtype: np.dtype, n: int, seconds: float, bad: int | None):
+    """One JSON row; busbw uses the group size n (nccl-tests' allreduce factor)."""
+    size = count * dtype.itemsize
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "algorithm": alg,
+        "bytes": size,
+        "count": count,
+        "dtype": dtype.name,
+        "ranks": n,
+        "time_us": seconds * 1e6,
+        "algbw": algbw,
+        "busbw": algbw * 2 * (n - 1) / n,
+        "wrong": bad,
+    }
+
+
+def line(row: dict, mpi_busbw: float | None) -> str:
+    vs = f"{row['busbw'] / mpi_busbw:6.2f}" if mpi_busbw else f"{'':>6}"
+    bad = f"{row['wrong']:>7}" if row["wrong"] is not None else f"{'N/A':>7}"
     return (
         f"  {row['bytes']:>10} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>9} "
-        f"{row['time_us']:>10.1f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {vs} {wrong_}"
+        f"{row['time_us']:>10.1f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {vs} {bad}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     algs = resolve(args)
-    from proxies.core import mpi, threads
+    from proxies.core import mpi, report
     from proxies.core.engine import Waiter
 
     MPI = mpi.init()
     comm = MPI.COMM_WORLD
     mpi.abort_on_exception(comm, PROG)
     n, r = comm.size, comm.rank
-    wait = args.wait
-    if wait == "auto":
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        wait = "yield" if node.allreduce(node.size > threads.cores_available(), op=MPI.LOR) else "spin"
-        node.Free()
+    wait = resolve_wait(MPI, comm, args.wait)
     waiter = Waiter(MPI, wait)
     waitfn = waiter.waitall if wait == "yield" else None
-
     dtype = np.dtype(args.dtype)
-    rows_sizes = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    steps = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+
+    # -- one buffer for every size (osu: allocate once), touched so no timing page-faults
     try:
-        whole, error = np.empty(rows_sizes[-1] // dtype.itemsize, dtype=dtype), None
+        whole, error = np.zeros(steps[-1] // dtype.itemsize, dtype=dtype), None
         whole[...] = 0
     except MemoryError:
         whole, error = None, f"-e/--maxbytes {args.maxbytes}: cannot allocate that buffer"
@@ -201,14 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     if r == 0:
         print("\n".join(header(comm, MPI, args, wait)), flush=True)
     rows: list[dict] = []
-    factor_ = 2 * (n - 1) / n
-    for size in rows_sizes:
+    for size in steps:
         count = size // dtype.itemsize
         buf = whole[:count]
         group = []
         for alg in algs:
+            # -- timed calls on zeros
             buf[...] = 0
-            t = time_one(comm, MPI, waiter, alg, buf, args, waitfn)
+            seconds = time_one(comm, MPI, waiter, alg, buf, args, waitfn)
+            # -- one checked call on small integers
             bad = None
             if args.check:
                 buf[...] = check_inputs(count, r, dtype)
@@ -216,17 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                 mine, total = np.array([wrong(buf, n)], dtype=np.int64), np.zeros(1, np.int64)
                 comm.Allreduce(mine, total, op=MPI.SUM)
                 bad = int(total[0])
-            algbw = count * dtype.itemsize / t / 1e9 if t > 0 else 0.0
-            group.append({
-                "algorithm": alg, "bytes": count * dtype.itemsize, "count": count,
-                "dtype": dtype.name, "ranks": n, "time_us": t * 1e6, "algbw": algbw,
-                "busbw": algbw * factor_, "wrong": bad,
-            })
-        mpi_bw = next((g["busbw"] for g in group if g["algorithm"] == "mpi"), None)
+            group.append(make_row(alg, count, dtype, n, seconds, bad))
         if r == 0:
+            mpi_busbw = next((g["busbw"] for g in group if g["algorithm"] == "mpi"), None)
             for g in group:
-                ratio = g["busbw"] / mpi_bw if mpi_bw and "mpi" in algs else None
-                print(line(g, ratio), flush=True)
+                print(line(g, mpi_busbw), flush=True)
         rows += group
 
     if r == 0:
@@ -236,17 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"# average busbw (GB/s): {avg}")
         if args.check:
-            print(f"# out of bounds values: {sum(g['wrong'] for g in rows)} wrong elements in all")
+            print(f"# #wrong in all: {sum(g['wrong'] for g in rows)}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-                f.write("\n")
+            report.write_json(args.json, rows)
     return 0
 
 
 def entry() -> None:
     cli.run_main(PROG, main)
-
-
-if __name__ == "__main__":
-    sys.exit(entry())

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
-ALLREDUCE_ALGS = ("mpi",)
+ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "dbtree", "hier", "naive")  # proxies.collectives
 
 # Launchers export the world rank under different names; MPI itself is not started yet.
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
@@ -121,7 +121,9 @@ def add_common(
         "--allreduce",
         choices=ALLREDUCE_ALGS,
         default="mpi",
-        help="allreduce algorithm for gradients (default mpi: the library's own)",
+        help="algorithm of every allreduce: mpi (the library's own, the default) or ours over "
+        "point-to-point (see python -m proxies.collectives); ours run to completion where "
+        "they start, so a non-blocking allreduce loses its overlap",
     )
     g.add_argument(
         "--seed", type=nonneg_int, default=0, help="seed for weights and synthetic data (default 0)"

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from proxies import collectives
 from proxies.core import check
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN
@@ -93,6 +94,9 @@ def describe(op, rank: int | None = None) -> str:
     return repr(op)
 
 
+SPIN_FIRST = 50e-6  # seconds a yielding wait tests without sleeping
+
+
 class Waiter:
     """Blocking MPI waits ("spin", the library's own) or test-and-sleep ("yield")."""
 
@@ -100,6 +104,13 @@ class Waiter:
         self.MPI, self.yielding, self.max_sleep = MPI, mode == "yield", max_sleep
 
     def _poll(self, ready):
+        # Test back to back for a moment first: MPI's non-blocking schedules advance only
+        # inside a test, so a sleep between the rounds of a small collective costs a round.
+        deadline = time.perf_counter() + SPIN_FIRST
+        while time.perf_counter() < deadline:
+            out = ready()
+            if out:
+                return out
         delay = 2e-5
         while True:
             out = ready()
@@ -147,6 +158,7 @@ class Engine:
         watchdog=None,
         fault: str = "",
         wait: str = "spin",
+        allreduce: str = "mpi",
     ):
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
@@ -160,6 +172,7 @@ class Engine:
         self.iteration = 0
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
+        self.allreduce = allreduce  # algorithm name, see proxies.collectives
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, op: Compute) -> None:
@@ -246,7 +259,12 @@ class Engine:
         # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
         # being elementwise, is also cut into pieces.
         calls = []
-        if op.kind == "allreduce":
+        if op.kind == "allreduce" and self.allreduce != "mpi":
+            # Our algorithms over point-to-point (proxies.collectives) run to completion
+            # here: a non-blocking allreduce becomes blocking at its start.
+            wait = self.waiter.waitall if self.waiter.yielding else None
+            collectives.allreduce(comm, flat, self.allreduce, wait=wait)
+        elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM)) for piece in _pieces(buf)]
         elif op.kind in ("allgather", "reduce_scatter") and flat.size % n:
             counts = [b.size for b in check.blocks(flat, n)]

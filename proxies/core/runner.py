@@ -273,6 +273,7 @@ def run(job: Job, args, MPI) -> int:
         watchdog=watchdog,
         fault=fault,
         wait=wait,
+        allreduce=args.allreduce,
     )
 
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
