@@ -19,9 +19,9 @@ setup() {
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         if [ "${PROXIES_MPI:-wheel}" = system ]; then
             "$VENV/bin/pip" install -q --no-binary=mpi4py mpi4py
-            "$VENV/bin/pip" install -q -e '.[test]'
+            "$VENV/bin/pip" install -q -e '.[test,plots]'
         else
-            "$VENV/bin/pip" install -q -e '.[mpich,test]'
+            "$VENV/bin/pip" install -q -e '.[mpich,test,plots]'
         fi
         touch "$stamp"
     fi

@@ -16,7 +16,13 @@ COMMANDS = {
 
 
 def available() -> dict[str, str]:
-    return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(f"proxies.{k}")}
+    def runnable(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(f"proxies.{name}.__main__") is not None
+        except ModuleNotFoundError:
+            return False
+
+    return {k: v for k, v in COMMANDS.items() if runnable(k)}
 
 
 def main() -> None:

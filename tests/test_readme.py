@@ -32,12 +32,14 @@ def test_quick_start_run():
     assert "time per iteration" in r.stdout and "loss per iteration" in r.stdout
 
 
-SECTIONS = ("Examples", "CosmoFlow proxy", "DLRM proxy", "Allreduce algorithms")
+SECTIONS = ("Examples", "CosmoFlow proxy", "DLRM proxy", "Allreduce algorithms", "Scaling sweeps")
 EXAMPLES = [c for section in SECTIONS for c in commands(section)]
 
 
 def marker(argv: list[str]) -> str:
     """What a command that worked prints."""
+    if "sweep" in argv or "report" in argv:
+        return "srun" if "--print-commands" in argv else ""
     if "--dry-run" in argv:
         return "plan valid"
     if "proxies.collectives" in argv or "collectives" in argv:

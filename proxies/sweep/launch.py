@@ -192,7 +192,9 @@ def tail(path: str, lines: int = 20, chars: int = 4000) -> str:
 
 def precheck(points: list[Point], workers: int | None = None) -> dict[str, str]:
     """Plan each distinct point with `--dry-run --world-size N` (one process per point, in
-    parallel); returns {point id: the proxy's message} for the points it rejects."""
+    parallel); returns {point id: the proxy's message} for the points it rejects as bad
+    input (exit status 2, the proxies' contract). A dry run that crashes rejects nothing:
+    the point runs, fails and is recorded with its stderr like any failing point."""
     todo: dict[tuple, Point] = {}
     for p in points:
         if p.skip is None and (p.run.precheck or p.run.skips_rejected):
@@ -200,14 +202,16 @@ def precheck(points: list[Point], workers: int | None = None) -> dict[str, str]:
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         verdicts = dict(zip(todo, pool.map(dry_run, todo.values()), strict=True))
-    return {
-        p.id: verdicts[(p.proxy, p.ranks, p.argv)]
-        for p in points
-        if (p.proxy, p.ranks, p.argv) in verdicts and verdicts[(p.proxy, p.ranks, p.argv)]
-    }
+    out = {}
+    for p in points:
+        msg = verdicts.get((p.proxy, p.ranks, p.argv))
+        if msg:
+            out[p.id] = msg
+    return out
 
 
 def dry_run(point: Point) -> str | None:
+    """The proxy's one-line message when it rejects the point (exit status 2), else None."""
     cmd = proxy_command(point, None) + ["--dry-run", "--world-size", str(point.ranks)]
     try:
         r = subprocess.run(
@@ -219,12 +223,11 @@ def dry_run(point: Point) -> str | None:
             timeout=PRECHECK_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return f"--dry-run took more than {PRECHECK_TIMEOUT_S:.0f} s"
-    if r.returncode == 0:
+        return None  # slow to plan is not impossible
+    if r.returncode != 2:
         return None
-    lines = [x.strip() for x in (r.stderr or r.stdout).splitlines() if x.strip()]
-    msg = lines[-1] if lines else f"--dry-run exited with status {r.returncode}"
-    return msg
+    lines = [x.strip() for x in r.stderr.splitlines() if x.strip()]
+    return lines[-1] if lines else "--dry-run exited with status 2"
 
 
 def shell(cmd: list[str]) -> str:

@@ -20,7 +20,7 @@ class ProxyArgs:
     """The arguments of `python -m proxies.<proxy>`.
 
     `known` is False when the module offers no `parser()`: every arg is then passed as
-    `--name value` unchecked."""
+    `--name value` (true/false as a bare flag or nothing) unchecked."""
 
     proxy: str
     known: bool
@@ -73,11 +73,12 @@ class ProxyArgs:
             if dest in self.positionals:
                 continue
             action = self.actions.get(dest)
-            if action is not None and action.nargs == 0:
+            flag = option(action) if action else "--" + dest.replace("_", "-")
+            if (action is not None and action.nargs == 0) or isinstance(value, bool):
                 if value:
-                    words.append(option(action))
+                    words.append(flag)  # true: the bare flag; false: left out
                 continue
-            words += [option(action) if action else "--" + dest.replace("_", "-"), fmt(value)]
+            words += [flag, fmt(value)]
         return words
 
     def positional_gap(self, args: dict[str, object]) -> str | None:
@@ -112,14 +113,19 @@ def installed(proxy: str) -> bool:
 
 def lookup(proxy: str) -> ProxyArgs | None:
     """The proxy's arguments; None when `proxies.<proxy>` is not installed. The parser is
-    `parser()` in `proxies.<proxy>.proxy` or in `proxies.<proxy>` itself."""
+    `parser()` in `proxies.<proxy>.proxy` or in `proxies.<proxy>` itself. A module that
+    exists but fails to import raises ImportError with the reason."""
     if not installed(proxy):
         return None
     for name in (f"proxies.{proxy}.proxy", f"proxies.{proxy}"):
         try:
             module = importlib.import_module(name)
-        except ImportError:
-            continue
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            raise ImportError(f"importing {name}: {e}") from None
+        except Exception as e:  # a proxy being written: say so, do not crash the sweep
+            raise ImportError(f"importing {name}: {type(e).__name__}: {e}") from None
         make = getattr(module, "parser", None)
         if callable(make):
             p = make()

@@ -144,8 +144,9 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
                 title=f"{title}: {proxy}, seconds per iteration (breakdown: mean over ranks)",
                 title_justify="left",
             )
-            for col in ("run", "ranks", "status", "time/iter", "speed-up", "efficiency"):
-                t.add_column(col, justify="left" if col in ("run", "status") else "right")
+            t.add_column("run", no_wrap=True)
+            for col in ("ranks", "status", "time/iter", "speed-up", "efficiency"):
+                t.add_column(col, justify="left" if col == "status" else "right")
             for c in cats:
                 t.add_column(category_label(c).split(" (")[0], justify="right")
             for r in shown:
@@ -224,6 +225,8 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         if key == "iter_time_s":
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         else:
             ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
             ax.set_ylim(bottom=0)

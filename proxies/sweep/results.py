@@ -66,6 +66,10 @@ def latest(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+class Locked(Exception):
+    """Another sweep holds the results directory."""
+
+
 class Lock:
     """One sweep at a time per results directory (released by the kernel if we die)."""
 
@@ -79,7 +83,7 @@ class Lock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise RuntimeError(
+            raise Locked(
                 f"another sweep is writing to {os.path.dirname(self.path)} (lock {self.path})"
             ) from None
         return self

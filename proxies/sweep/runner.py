@@ -2,7 +2,7 @@
 job, record each in results/<name>/results.jsonl as it finishes, then report.
 
 Exit status: 0 when every point ran (or was skipped by a rule), 1 when a point failed or
-timed out, 2 for a bad sweep file, 130 when interrupted (rerun to resume).
+timed out, 2 for a bad sweep file, 128 + signal when interrupted (rerun to resume).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_commands(sweep, points, args)
     try:
         return execute(sweep, points, args)
-    except RuntimeError as e:  # the results directory is locked by another sweep
+    except results.Locked as e:
         print(f"proxies sweep: error: {e}", file=sys.stderr)
         return 2
 
@@ -199,6 +199,8 @@ def execute(sweep: Sweep, points: list[Point], args) -> int:
                 if os.path.exists(old):
                     os.remove(old)
             shutil.rmtree(os.path.join(outdir, "logs"), ignore_errors=True)
+        # tmp/ holds the JSON of points in flight; under the lock none is ours or alive.
+        shutil.rmtree(os.path.join(outdir, "tmp"), ignore_errors=True)
         for sub in ("logs", "tmp"):
             os.makedirs(os.path.join(outdir, sub), exist_ok=True)
         shutil.copyfile(sweep.path, os.path.join(outdir, "sweep.yaml"))
@@ -231,14 +233,14 @@ def execute(sweep: Sweep, points: list[Point], args) -> int:
         old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
             run_points(sweep, todo, outdir, jsonl)
-        except (KeyboardInterrupt, Stop):
+        except (KeyboardInterrupt, Stop) as e:
             done = len(results.latest(results.load(jsonl, warn=False)))
             print(
                 f"\ninterrupted: {done} points are recorded in {jsonl}; run the same command "
                 "again to resume",
                 file=sys.stderr,
             )
-            return 130
+            return 128 + (e.args[0] if isinstance(e, Stop) else signal.SIGINT)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -260,6 +262,10 @@ def execute(sweep: Sweep, points: list[Point], args) -> int:
         )
         for rec in bad:
             print(f"  {rec['status']}: {rec['describe']}", file=sys.stderr)
+        print(
+            f"logs in {os.path.join(outdir, 'logs')}; --retry-failed runs them again",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -296,15 +302,19 @@ def run_points(sweep: Sweep, todo: list[tuple[int, Point]], outdir: str, jsonl: 
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.table import Column
 
     from proxies.core.report import console
 
     # No refresh thread (auto_refresh off): the point's process is forked from a process
     # with one thread, and the bar is redrawn while waiting for it instead.
+    short = short_names([p for _, p in todo])
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
+        TextColumn(
+            "{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")
+        ),
+        BarColumn(bar_width=20),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("eta"),
@@ -314,12 +324,27 @@ def run_points(sweep: Sweep, todo: list[tuple[int, Point]], outdir: str, jsonl: 
     ) as progress:
         task = progress.add_task("", total=len(todo))
         for i, p in todo:
-            progress.update(task, description=p.describe())
+            progress.update(task, description=short[p.id])
             progress.refresh()
             rec = run_point(sweep, i, p, outdir, jsonl, progress.refresh)
             progress.console.print(summary(rec), markup=False, highlight=False)
             progress.advance(task)
             progress.refresh()
+
+
+def short_names(points: list[Point]) -> dict[str, str]:
+    """Point id -> label, ranks and only the args that vary within its run: what fits next
+    to a progress bar."""
+    values: dict[tuple[str, str], set[str]] = {}
+    for p in points:
+        for k, v in p.args:
+            values.setdefault((p.run.label, k), set()).add(repr(v))
+    out = {}
+    for p in points:
+        words = [f"{k}={v}" for k, v in p.args if len(values[(p.run.label, k)]) > 1]
+        rep = f" #{p.repeat + 1}" if p.run.repeat > 1 else ""
+        out[p.id] = " ".join([p.run.label, f"{p.ranks} ranks", *words]) + rep
+    return out
 
 
 def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> dict:

@@ -422,7 +422,11 @@ def expand(sweep: Sweep, proxy_args=lookup) -> list[Point]:
     points: list[Point] = []
     seen: dict[str, str] = {}
     for r in sweep.runs:
-        info = proxy_args(r.proxy)
+        try:
+            info = proxy_args(r.proxy)
+        except ImportError as e:
+            where = f"{r.key}.proxy" if r.key else "proxy"
+            raise SweepError(f"{sweep.path}: {where}: {e}") from None
         for p in run_points(sweep.path, r, info):
             if p.id in seen:
                 raise SweepError(
