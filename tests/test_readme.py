@@ -32,7 +32,14 @@ def test_quick_start_run():
     assert "time per iteration" in r.stdout and "loss per iteration" in r.stdout
 
 
-SECTIONS = ("Examples", "CosmoFlow proxy", "DLRM proxy", "Allreduce algorithms", "Scaling sweeps")
+SECTIONS = (
+    "Examples",
+    "GPT-3 proxy",
+    "CosmoFlow proxy",
+    "DLRM proxy",
+    "Allreduce algorithms",
+    "Scaling sweeps",
+)
 EXAMPLES = [c for section in SECTIONS for c in commands(section)]
 
 

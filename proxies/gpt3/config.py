@@ -172,9 +172,6 @@ class Setup:
             out.append(Chunk(c, vs, self.split[vs], embed, head))
         return out
 
-    def holds_wte(self, stage: int) -> bool:
-        return any(ch.embed or ch.head for ch in self.chunks(stage))
-
 
 def padded_vocab(V: int, tp: int, multiple: int) -> int:
     """Megatron's padding: up to a multiple of `multiple` * tp (--make-vocab-size-divisible-by)."""

@@ -1,0 +1,776 @@
+"""One rank's tensor-parallel shard of its pipeline chunks: parameters, and forward/backward
+cut into the pieces that sit between Megatron's tensor-parallel collectives.
+
+Letters as in config.py (B, T, C, NH, V, Vp, N = B*T, tp, ep, E, k, F); r is this rank's
+tensor-parallel rank, Ts = T / tp the sequence shard under sequence parallelism.
+
+Megatron's tensor parallelism (Shoeybi et al. 2019), per layer:
+- qkv (column-parallel): rank r holds the q, k and v rows of heads r*NH/tp .. (r+1)*NH/tp - 1,
+  so attention runs on local heads only; proj (row-parallel) holds the matching C/tp columns
+  and produces a partial sum, which an allreduce of B*T*C over the TP group completes;
+  proj's bias is replicated and added once, after the allreduce;
+- the MLP likewise: fc column-parallel (4C/tp rows), fcproj row-parallel + allreduce;
+- backward mirrors it: the input gradient of a column-parallel matmul is partial, and an
+  allreduce completes it before the layernorm backward. Two allreduces forward, two backward;
+- sequence parallelism (Korthikanti et al. 2022) keeps layernorm, residual and dropout on a
+  sequence shard (B,Ts,C): each allreduce becomes a reduce-scatter (after proj / fcproj) and
+  an allgather (before qkv / fc), and backward swaps them; the gradients of the replicated
+  layernorm weights and row-parallel biases are then partial and summed over TP at the end;
+- the vocabulary is split over TP: the embedding looks up its Vp/tp rows (zeros for tokens
+  outside them) and an allreduce sums the parts; the LM head (tied to wte) computes logits for
+  its slice and the cross-entropy combines per-token (max, sum-exp, target logit) of every
+  slice (one allgather; Megatron allreduces the max, then the sum-exp and target logit).
+
+The runtime runs a piece, the engine runs the plan's collective on `tp_buf` (or `ce_buf`,
+`moe_buf`), and the next piece reads the result: the model itself never calls MPI.
+
+Weights are initialised exactly as proxies.gpt2 (per global tensor, seed) in full and then
+sliced, so every tp gives the unsharded model's loss. Padded vocabulary rows are zero and are
+left out of the softmax (Megatron keeps them as logits), so the loss does not depend on tp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from proxies.gpt2.kernels import (
+    CLASSIFIER_CHUNK,
+    adamw_update,
+    attention_backward,
+    attention_forward,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    matmul_backward,
+    matmul_forward,
+)
+from proxies.gpt2.model import LAYER_TENSORS, _normal, layer_shapes
+from proxies.gpt3.config import Chunk, Setup
+from proxies.gpt3.moe import MoEPieces
+
+ATTN_TENSORS = LAYER_TENSORS[:8]  # ln_1, c_attn, c_proj, ln_2: every layer, MoE or not
+MLP_TENSORS = LAYER_TENSORS[8:]
+# Replicated tensors whose gradient is a partial sum over the sequence shards under sequence
+# parallelism (layernorms, row-parallel biases): summed over TP before the optimizer step.
+SP_PARTIAL = ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias")
+
+
+# ----------------------------------------------------------------------------------------
+# layout: which shard of which tensor a rank holds, and where in its flat arrays
+
+
+def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Shape of rank r's shard of a layer tensor (the same for every r)."""
+    if name.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias")):
+        return (shape[0] // tp, *shape[1:])  # column-parallel: output rows split
+    if name.endswith("c_proj.weight"):
+        return (shape[0], shape[1] // tp)  # row-parallel: input columns split
+    return shape  # replicated: layernorms, row-parallel biases, the MoE gate
+
+
+def shard(name: str, full: np.ndarray, tp: int, r: int) -> np.ndarray:
+    """Rank r's shard of a full tensor. qkv rows are [q; k; v], each split by heads."""
+    if name.endswith(("c_attn.weight", "c_attn.bias")):
+        C = full.shape[0] // 3
+        w = C // tp
+        return np.concatenate([full[i * C + r * w : i * C + (r + 1) * w] for i in range(3)])
+    if name.endswith(("c_fc.weight", "c_fc.bias")):
+        w = full.shape[0] // tp
+        return full[r * w : (r + 1) * w]
+    if name.endswith("c_proj.weight"):
+        w = full.shape[1] // tp
+        return full[:, r * w : (r + 1) * w]
+    return full
+
+
+def layer_tensors(S: Setup) -> tuple[list[tuple[str, tuple]], list[tuple[str, tuple]]]:
+    """(dense, expert) tensors of one layer's shard on one rank: names without the "h.{l}."
+    prefix. Dense ones are reduced over the data-parallel group, expert ones over the
+    expert-data-parallel group."""
+    C, tp, moe = S.cfg.n_embd, S.tp, S.moe
+    full = layer_shapes(C)
+    names = ATTN_TENSORS if moe else LAYER_TENSORS
+    dense = [(n, shard_shape(n, full[n], tp)) for n in names]
+    expert: list[tuple[str, tuple]] = []
+    if moe:
+        dense.append(("moe.gate.weight", (moe.experts, C)))
+        F = moe.ffn_hidden // tp
+        for e in range(moe.local_experts):
+            expert += [(f"experts.{e}.c_fc.weight", (F, C)), (f"experts.{e}.c_proj.weight", (C, F))]
+    return dense, expert
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters whose gradients are complete at the same point of the backward: one layer,
+    or the embedding/head tensors ("extra"). Ranges index the flat dense / expert arrays."""
+
+    chunk: int
+    layer: int  # -1 for the extra unit
+    dense: tuple[int, int]
+    expert: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return self.dense[1] - self.dense[0] + self.expert[1] - self.expert[0]
+
+
+class Layout:
+    """Where each tensor of a rank lives in its two flat arrays (dense, expert).
+
+    Per chunk: the extra tensors first (wte shard, wpe, ln_f; on the chunk that finishes them
+    last: the embedding chunk, else the head chunk), then its layers bottom to top. A
+    gradient bucket, consecutive units in backward order, is then one contiguous range.
+    `units` lists each chunk's units in the order its backward completes them.
+    """
+
+    def __init__(self, S: Setup, stage: int) -> None:
+        C = S.cfg.n_embd
+        self.chunks = S.chunks(stage)
+        owner = next((ch for ch in self.chunks if ch.embed), None)
+        owner = owner or next((ch for ch in self.chunks if ch.head), None)
+        self.dense: list[tuple[str, tuple, int]] = []
+        self.expert: list[tuple[str, tuple, int]] = []
+        self.units: list[Unit] = []
+        self.sp_ranges: list[tuple[int, int]] = []
+        self.wte: tuple[int, int] | None = None
+        d = e = 0
+        dense_layer, expert_layer = layer_tensors(S)
+        for ch in self.chunks:
+            units: list[Unit] = []
+            if ch is owner:
+                extra = [("wte", (S.vocab // S.tp, C))]
+                if any(c.embed for c in self.chunks):
+                    extra.append(("wpe", (S.cfg.max_seq_len, C)))
+                if any(c.head for c in self.chunks):
+                    extra += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
+                start = d
+                for name, shape in extra:
+                    if name == "wte":
+                        self.wte = (d, d + math.prod(shape))
+                    if name.startswith("ln_f"):
+                        self.sp_ranges.append((d, d + math.prod(shape)))
+                    self.dense.append((name, shape, d))
+                    d += math.prod(shape)
+                extra_unit = Unit(ch.index, -1, (start, d), (e, e))
+            for l in ch.layers:
+                d0, e0 = d, e
+                for name, shape in dense_layer:
+                    size = math.prod(shape)
+                    if name in SP_PARTIAL or name == "mlp.c_proj.bias":
+                        self.sp_ranges.append((d, d + size))
+                    self.dense.append((f"h.{l}.{name}", shape, d))
+                    d += size
+                for name, shape in expert_layer:
+                    self.expert.append((f"h.{l}.{name}", shape, e))
+                    e += math.prod(shape)
+                units.append(Unit(ch.index, l, (d0, d), (e0, e)))
+            units.reverse()  # backward completes the top layer first
+            if ch is owner:
+                units.append(extra_unit)
+            self.units += units
+        self.dense_size, self.expert_size = d, e
+        self.sp_size = sum(b - a for a, b in self.sp_ranges)
+
+
+# ----------------------------------------------------------------------------------------
+# real compute
+
+
+def _init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> dict:
+    """Layer l's tensors in full, drawn as proxies.gpt2 draws them, then rank r's shard."""
+    C, L = S.cfg.n_embd, S.cfg.n_layer
+    proj_std = 0.02 / math.sqrt(2 * L)
+    full = layer_shapes(C)
+    rng = np.random.default_rng([seed, 1, l])
+    out = {}
+    names = ATTN_TENSORS if S.moe else LAYER_TENSORS
+    for n in names:  # same order and stream as gpt2's StageModel._init_params
+        t = np.zeros(full[n])
+        if n.startswith("ln_") and n.endswith("weight"):
+            t.fill(1.0)
+        elif n.endswith("weight"):
+            _normal(t, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
+        out[n] = shard(n, t, tp, r)
+    if S.moe:
+        F = S.moe.ffn_hidden
+        gate = np.zeros((S.moe.experts, C))
+        _normal(gate, np.random.default_rng([seed, 2, l]), 0.02)
+        out["moe.gate.weight"] = gate
+        for i, ex in enumerate(experts):
+            rng = np.random.default_rng([seed, 3, l, ex])
+            fc, proj = np.zeros((F, C)), np.zeros((C, F))
+            _normal(fc, rng, 0.02)
+            _normal(proj, rng, proj_std)
+            out[f"experts.{i}.c_fc.weight"] = shard("c_fc.weight", fc, tp, r)
+            out[f"experts.{i}.c_proj.weight"] = shard("c_proj.weight", proj, tp, r)
+    return out
+
+
+class StageShard(MoEPieces):
+    """The real compute of one rank: its chunks' layers, TP rank r's shard of each tensor.
+
+    compute(name, mb, chunk) runs one piece ("fwd_attn:5", "bwd_head" ...); pieces of one
+    (micro-batch, chunk) run in plan order, with the plan's collectives between them.
+    """
+
+    def __init__(
+        self,
+        S: Setup,
+        stage: int,
+        tp_rank: int = 0,
+        ep_rank: int = 0,
+        seed: int = 0,
+        dtype=np.float32,
+    ) -> None:
+        if S.layers_only:
+            raise ValueError("real compute needs the embedding and LM head (not layers_only)")
+        self.S, self.stage, self.r, self.dtype = S, stage, tp_rank, np.dtype(dtype)
+        self.layout = Layout(S, stage)
+        self.chunks = {ch.index: ch for ch in self.layout.chunks}
+        cfg, C, tp = S.cfg, S.cfg.n_embd, S.tp
+        self.NHl = cfg.n_head // tp  # local heads
+        self.Vl = S.vocab // tp  # vocabulary rows held
+        self.lo = tp_rank * self.Vl  # first vocabulary row held
+        self.valid = max(0, min(self.Vl, cfg.vocab_size - self.lo))  # rows that are not padding
+        self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
+        self.grads = np.zeros_like(self.params)
+        self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
+        self.egrads = np.zeros_like(self.eparams)
+        self.w = self._views(self.params, self.eparams)
+        self.g = self._views(self.grads, self.egrads)
+        moe = S.moe
+        self.experts = range(0)
+        if moe:
+            El = moe.local_experts
+            self.experts = range(ep_rank * El, (ep_rank + 1) * El)
+            self.cap = moe.capacity(S.N)
+        self._init_params(seed)
+        # Buffers the plan's collectives run on (see the module docstring).
+        self.tp_buf = np.zeros(S.N * C, dtype=self.dtype)
+        self.ce_buf = np.zeros(tp * 3 * S.N, dtype=self.dtype)
+        self.moe_buf = np.zeros(moe.experts * self.cap * C if moe else 0, dtype=self.dtype)
+        self.dscore_buf = np.zeros(S.N * moe.top_k if moe else 0, dtype=self.dtype)
+        self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
+        self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
+        self.saved: dict[tuple[int, int], SimpleNamespace] = {}  # (mb, chunk) in flight
+        self._pool: dict[int, list[SimpleNamespace]] = {c: [] for c in self.chunks}
+        self._scratch: dict[str, np.ndarray] = {}
+        self.batch = None  # set by the runtime: mb -> (tokens, targets), both (B,T)
+        self.loss_scale = 1.0
+        self.m = self.v = self.em = self.ev = None  # AdamW moments
+        self.t = 0
+
+    def _views(self, dense: np.ndarray, expert: np.ndarray) -> dict[str, np.ndarray]:
+        out = {n: dense[o : o + math.prod(s)].reshape(s) for n, s, o in self.layout.dense}
+        out |= {n: expert[o : o + math.prod(s)].reshape(s) for n, s, o in self.layout.expert}
+        return out
+
+    def _init_params(self, seed: int) -> None:
+        S, w, C = self.S, self.w, self.S.cfg.n_embd
+        if "wte" in w:  # full (V, C) as gpt2 draws it, then this rank's rows
+            full = np.zeros((S.cfg.vocab_size, C), dtype=self.dtype)
+            _normal(full, np.random.default_rng([seed, 0, 0]), 0.02)
+            w["wte"][: self.valid] = full[self.lo : self.lo + self.valid]
+        if "wpe" in w:
+            _normal(w["wpe"], np.random.default_rng([seed, 0, 1]), 0.02)
+        if "ln_f.weight" in w:
+            w["ln_f.weight"].fill(1.0)
+        for ch in self.chunks.values():
+            for l in ch.layers:
+                for n, t in _init_layer(S, l, seed, S.tp, self.r, self.experts).items():
+                    w[f"h.{l}.{n}"][...] = t
+
+    # ------------------------------------------------------------------------------------
+    # buffers
+
+    def scratch(self, name: str, *shape: int) -> np.ndarray:
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape != shape:
+            buf = self._scratch[name] = np.empty(shape, dtype=self.dtype)
+        return buf
+
+    def message(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        """A pipeline message buffer (B,Ts,C): act_in, act_out, grad_out, grad_in."""
+        key = (name, mb, chunk)
+        buf = self.io.get(key)
+        if buf is None:
+            S = self.S
+            buf = self.io[key] = np.zeros((S.B, S.Ts, S.cfg.n_embd), dtype=self.dtype)
+        return buf
+
+    def _full(self) -> np.ndarray:
+        """tp_buf as (B,T,C): the allreduce layout."""
+        S = self.S
+        return self.tp_buf.reshape(S.B, S.T, S.cfg.n_embd)
+
+    def _blocks(self) -> np.ndarray:
+        """tp_buf as (tp,B,Ts,C): block i is rank i's sequence shard (allgather and
+        reduce-scatter work on contiguous blocks of the flat buffer)."""
+        S = self.S
+        return self.tp_buf.reshape(S.tp, S.B, S.T // S.tp, S.cfg.n_embd)
+
+    def _gather(self, out: np.ndarray) -> np.ndarray:
+        """out (B,T,C) = the allgathered shards in tp_buf."""
+        S = self.S
+        out.reshape(S.B, S.tp, S.T // S.tp, -1)[...] = self._blocks().transpose(1, 0, 2, 3)
+        return out
+
+    def _scatter(self, full: np.ndarray) -> None:
+        """tp_buf blocks = full (B,T,C) cut into sequence shards, for a reduce-scatter."""
+        S = self.S
+        self._blocks()[...] = full.reshape(S.B, S.tp, S.T // S.tp, -1).transpose(1, 0, 2, 3)
+
+    def _partial_out(self) -> np.ndarray:
+        """Where a row-parallel matmul writes its partial (B,T,C): straight into tp_buf for
+        an allreduce, a scratch to be cut into shards for a reduce-scatter."""
+        S = self.S
+        if S.sp:
+            return self.scratch("partial", S.B, S.T, S.cfg.n_embd)
+        return self._full()
+
+    def _reduced_block(self) -> np.ndarray:
+        """After an allreduce (B,T,C) / a reduce-scatter (B,Ts,C): this rank's reduced part."""
+        return self._blocks()[self.r] if self.S.sp else self._full()
+
+    # ------------------------------------------------------------------------------------
+    # saved state of one (micro-batch, chunk)
+
+    def _state(self, mb: int, c: int) -> SimpleNamespace:
+        key = (mb, c)
+        st = self.saved.get(key)
+        if st is None:
+            st = self.saved[key] = self._pool[c].pop() if self._pool[c] else self._alloc(c)
+        return st
+
+    def _alloc(self, c: int) -> SimpleNamespace:
+        S, ch = self.S, self.chunks[c]
+        B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
+
+        def e(*shape: int) -> np.ndarray:
+            return np.empty(shape, dtype=self.dtype)
+
+        st = SimpleNamespace(x0=e(B, Ts, C), dres=e(B, Ts, C), layers={})
+        for l in ch.layers:
+            a = SimpleNamespace(
+                ln1=e(B, Ts, C),
+                ln1_mean=e(B, Ts),
+                ln1_rstd=e(B, Ts),
+                qkv=e(B, T, 3 * C // tp),
+                att=e(B, self.NHl, T, T),
+                atty=e(B, T, C // tp),
+                res2=e(B, Ts, C),
+                ln2=e(B, Ts, C),
+                ln2_mean=e(B, Ts),
+                ln2_rstd=e(B, Ts),
+                res3=e(B, Ts, C),
+            )
+            if S.sp:
+                a.ln1_full, a.ln2_full = e(B, T, C), e(B, T, C)
+            if not S.moe:
+                a.fch, a.fch_gelu = e(B, T, 4 * C // tp), e(B, T, 4 * C // tp)
+            st.layers[l] = a
+        if ch.head:
+            st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(B, Ts), e(B, Ts), e(B, T)
+            st.lnf_full = e(B, T, C) if S.sp else st.lnf
+        return st
+
+    def _free(self, mb: int, c: int) -> None:
+        self._pool[c].append(self.saved.pop((mb, c)))
+
+    # ------------------------------------------------------------------------------------
+    # dispatch
+
+    def compute(self, name: str, mb: int, chunk: int) -> float | None:
+        """Run one piece; returns the micro-batch's mean loss from "fwd_loss", else None."""
+        kind, _, layer = name.partition(":")
+        fn = getattr(self, "_" + kind, None)
+        if fn is None or not kind.startswith(("fwd_", "bwd_")):
+            raise ValueError(f"unknown compute op {name!r}")
+        ch = self.chunks[chunk]
+        return (
+            fn(self._state(mb, chunk), ch, mb, int(layer))
+            if layer
+            else fn(self._state(mb, chunk), ch, mb)
+        )
+
+    # ------------------------------------------------------------------------------------
+    # forward
+
+    def _fwd_embed(self, st, ch: Chunk, mb: int) -> None:
+        """Partial token embedding from this rank's vocabulary rows, for the allreduce."""
+        tokens, _ = self.batch(mb)
+        st.tokens = tokens
+        out = self._full()
+        local = tokens - self.lo
+        if self.S.tp == 1:
+            np.take(self.w["wte"], local, axis=0, out=out)
+        else:
+            mask = (local >= 0) & (local < self.valid)
+            out.fill(0)
+            out[mask] = self.w["wte"][local[mask]]
+
+    def _chunk_input(self, st, ch: Chunk, mb: int) -> np.ndarray:
+        """x0 (B,Ts,C): the embedding (after its allreduce, plus wpe) or the received input."""
+        S = self.S
+        if ch.embed:
+            if S.sp:  # Megatron: allreduce, add wpe, keep this rank's sequence shard
+                lo = self.r * S.Ts
+                np.add(self._full()[:, lo : lo + S.Ts], self.w["wpe"][lo : lo + S.Ts], out=st.x0)
+            else:
+                np.add(self._full(), self.w["wpe"][: S.T], out=st.x0)
+        else:
+            st.x0[...] = self.message("act_in", mb, ch.index)
+        return st.x0
+
+    def _layer_input(self, st, ch: Chunk, mb: int, l: int) -> np.ndarray:
+        """Input of layer l: the chunk input, or layer l-1's output (finishing its MLP)."""
+        if l == ch.layers[0]:
+            return self._chunk_input(st, ch, mb)
+        return self._finish_mlp(st, l - 1)
+
+    def _finish_mlp(self, st, l: int) -> np.ndarray:
+        """res3 = res2 + (reduced MLP output) + fcproj bias: layer l's output."""
+        a = st.layers[l]
+        np.add(a.res2, self._reduced_block(), out=a.res3)
+        if not self.S.moe:
+            a.res3 += self.w[f"h.{l}.mlp.c_proj.bias"]
+        return a.res3
+
+    def _fwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Sequence parallel: layernorm on the shard, into tp_buf for the allgather."""
+        a, w = st.layers[l], self.w
+        a.inp = self._layer_input(st, ch, mb, l)
+        layernorm_forward(
+            a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[f"h.{l}.ln_1.weight"], w[f"h.{l}.ln_1.bias"]
+        )
+        self._blocks()[self.r] = a.ln1
+
+    def _fwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """ln1 (unless sequence parallel did it), qkv for local heads, attention, partial proj."""
+        a, w, p = st.layers[l], self.w, f"h.{l}."
+        if self.S.sp:
+            ln1 = self._gather(a.ln1_full)
+        else:
+            a.inp = self._layer_input(st, ch, mb, l)
+            ln1 = a.ln1
+            layernorm_forward(
+                ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[p + "ln_1.weight"], w[p + "ln_1.bias"]
+            )
+        matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
+        attention_forward(a.atty, a.att, a.qkv, self.NHl)
+        out = self._partial_out()
+        matmul_forward(out, a.atty, w[p + "attn.c_proj.weight"], None)
+        if self.S.sp:
+            self._scatter(out)
+
+    def _finish_attn(self, st, l: int) -> None:
+        """res2 = inp + (reduced attention output) + proj bias, then ln2."""
+        a, w, p = st.layers[l], self.w, f"h.{l}."
+        np.add(a.inp, self._reduced_block(), out=a.res2)
+        a.res2 += w[p + "attn.c_proj.bias"]
+        layernorm_forward(
+            a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w[p + "ln_2.weight"], w[p + "ln_2.bias"]
+        )
+
+    def _fwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Sequence parallel: residual and ln2 on the shard, into tp_buf for the allgather."""
+        self._finish_attn(st, l)
+        self._blocks()[self.r] = st.layers[l].ln2
+
+    def _fwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """fc (local 4C/tp rows), GELU, partial fcproj."""
+        a, w, p = st.layers[l], self.w, f"h.{l}.mlp."
+        if self.S.sp:
+            ln2 = self._gather(a.ln2_full)
+        else:
+            self._finish_attn(st, l)
+            ln2 = a.ln2
+        matmul_forward(a.fch, ln2, w[p + "c_fc.weight"], w[p + "c_fc.bias"])
+        gelu_forward(a.fch_gelu, a.fch)
+        out = self._partial_out()
+        matmul_forward(out, a.fch_gelu, w[p + "c_proj.weight"], None)
+        if self.S.sp:
+            self._scatter(out)
+
+    def _fwd_out(self, st, ch: Chunk, mb: int) -> None:
+        """The chunk's output, to be sent to the next stage (valid until its backward)."""
+        self.io[("act_out", mb, ch.index)] = self._finish_mlp(st, ch.layers[-1])
+
+    def _fwd_lnf(self, st, ch: Chunk, mb: int) -> None:
+        """Final layernorm (on the sequence shard under sequence parallelism)."""
+        x = self._finish_mlp(st, ch.layers[-1])
+        layernorm_forward(
+            st.lnf, st.lnf_mean, st.lnf_rstd, x, self.w["ln_f.weight"], self.w["ln_f.bias"]
+        )
+        if self.S.sp:
+            self._blocks()[self.r] = st.lnf
+
+    def _fwd_head(self, st, ch: Chunk, mb: int) -> None:
+        """Logits of this rank's vocabulary slice; per token (max, sum-exp, target logit) into
+        this rank's block of ce_buf for the allgather."""
+        S = self.S
+        if not S.sp:
+            self._fwd_lnf(st, ch, mb)
+        else:
+            self._gather(st.lnf_full)
+        _, st.targets = self.batch(mb)
+        x = st.lnf_full.reshape(-1, S.cfg.n_embd)
+        t = st.targets.reshape(-1) - self.lo
+        stats = self.ce_buf.reshape(S.tp, 3, S.N)[self.r]
+        mx, se, tl = stats
+        tl.fill(0)
+        W = self.w["wte"][: self.valid]
+        for i, n, logits in self._logit_chunks(x, W):
+            rows = np.arange(n)
+            tt = t[i : i + n]
+            mine = (tt >= 0) & (tt < self.valid)
+            tl[i : i + n][mine] = logits[rows[mine], tt[mine]]
+            m = logits.max(axis=1) if self.valid else np.full(n, -np.inf, self.dtype)
+            mx[i : i + n] = m
+            logits -= m[:, None]
+            np.exp(logits, out=logits)
+            se[i : i + n] = logits.sum(axis=1)
+
+    def _logit_chunks(self, x: np.ndarray, W: np.ndarray):
+        """(first row, rows, logits (rows, V held)) over row chunks of x (bounded memory)."""
+        N, Vv = x.shape[0], max(1, W.shape[0])
+        R = max(1, min(N, CLASSIFIER_CHUNK // Vv))
+        buf = self.scratch("logits", R, W.shape[0])
+        for i in range(0, N, R):
+            n = min(R, N - i)
+            np.matmul(x[i : i + n], W.T, out=buf[:n])
+            yield i, n, buf[:n]
+
+    def _fwd_loss(self, st, ch: Chunk, mb: int) -> float:
+        """Cross-entropy from every slice's statistics: lse = M + log sum_r s_r e^(m_r - M)."""
+        S = self.S
+        stats = self.ce_buf.reshape(S.tp, 3, S.N).astype(np.float64)
+        mx, se, tl = stats[:, 0], stats[:, 1], stats[:, 2]
+        M = mx.max(axis=0)
+        lse = M + np.log((se * np.exp(mx - M)).sum(axis=0))
+        st.lse.reshape(-1)[...] = lse
+        st.loss_scale = self.loss_scale
+        return float((lse - tl.sum(axis=0)).mean())
+
+    # ------------------------------------------------------------------------------------
+    # backward
+
+    def _bwd_head(self, st, ch: Chunk, mb: int) -> None:
+        """dlogits = (softmax - onehot) * scale / N on this slice; partial dx into tp_buf;
+        wte gradient of this slice (the tied LM head)."""
+        S, C = self.S, self.S.cfg.n_embd
+        x = st.lnf_full.reshape(-1, C)
+        t = st.targets.reshape(-1) - self.lo
+        lse = st.lse.reshape(-1)
+        out = self._partial_out().reshape(-1, C)
+        out.fill(0)
+        W, dW = self.w["wte"][: self.valid], self.g["wte"][: self.valid]
+        scale = float(st.loss_scale) / S.N
+        for i, n, dlogits in self._logit_chunks(x, W):
+            dlogits -= lse[i : i + n, None]
+            np.exp(dlogits, out=dlogits)
+            tt = t[i : i + n]
+            mine = (tt >= 0) & (tt < self.valid)
+            dlogits[np.arange(n)[mine], tt[mine]] -= 1.0
+            dlogits *= scale
+            out[i : i + n] += dlogits @ W
+            dW += dlogits.T @ x[i : i + n]
+        if S.sp:
+            self._scatter(out.reshape(S.B, S.T, C))
+
+    def _dres_top(self, st, ch: Chunk, mb: int) -> np.ndarray:
+        """Gradient w.r.t. the chunk's output (B,Ts,C): from ln_f's backward on the head
+        chunk (after the allreduce / reduce-scatter of dlnf), else the received gradient."""
+        if ch.head:
+            st.dres.fill(0)
+            w, g = self.w, self.g
+            x = st.layers[ch.layers[-1]].res3
+            layernorm_backward(
+                st.dres,
+                g["ln_f.weight"],
+                g["ln_f.bias"],
+                self._reduced_block(),
+                x,
+                w["ln_f.weight"],
+                st.lnf_mean,
+                st.lnf_rstd,
+            )
+        else:
+            st.dres[...] = self.message("grad_out", mb, ch.index)
+        return st.dres
+
+    def _finish_ln1(self, st, l: int) -> None:
+        """dres += ln1 backward of layer l (dln1 reduced in tp_buf): dres becomes dL/d inp."""
+        a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.ln_1."
+        layernorm_backward(
+            st.dres,
+            g[p + "weight"],
+            g[p + "bias"],
+            self._reduced_block(),
+            a.inp,
+            w[p + "weight"],
+            a.ln1_mean,
+            a.ln1_rstd,
+        )
+
+    def _layer_dres(self, st, ch: Chunk, mb: int, l: int) -> np.ndarray:
+        """dL/d(layer l's output): the chunk's top gradient, or layer l+1's ln1 backward."""
+        if l == ch.layers[-1]:
+            return self._dres_top(st, ch, mb)
+        self._finish_ln1(st, l + 1)
+        return st.dres
+
+    def _bwd_start(self, st, ch: Chunk, mb: int) -> None:
+        """Sequence parallel, not the head chunk: the received gradient, for the allgather."""
+        self._blocks()[self.r] = self._dres_top(st, ch, mb)
+
+    def _bwd_lnf(self, st, ch: Chunk, mb: int) -> None:
+        """Sequence parallel, head chunk: ln_f backward on the shard, for the allgather."""
+        self._blocks()[self.r] = self._dres_top(st, ch, mb)
+
+    def _dout_full(self, st) -> np.ndarray:
+        """The (B,T,C) gradient a row-parallel matmul's backward needs: dres itself, or under
+        sequence parallelism the allgather of every rank's dres shard."""
+        S = self.S
+        if S.sp:
+            return self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
+        return st.dres
+
+    def _bwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """fcproj, GELU and fc backward: partial dln2 into tp_buf."""
+        S, C = self.S, self.S.cfg.n_embd
+        a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.mlp."
+        if not S.sp:
+            self._layer_dres(st, ch, mb, l)
+        dout = self._dout_full(st)
+        # the bias is added after the reduction: its gradient is dres (the shard under SP)
+        g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
+        dgelu = self.scratch("dfch_gelu", S.B, S.T, 4 * C // S.tp)
+        dfch = self.scratch("dfch", S.B, S.T, 4 * C // S.tp)
+        dgelu.fill(0)
+        dfch.fill(0)
+        wn = p + "c_proj.weight"
+        matmul_backward(dgelu, g[wn], None, dout, a.fch_gelu, w[wn])
+        gelu_backward(dfch, a.fch, dgelu)
+        out = self._partial_out()
+        out.fill(0)
+        ln2 = a.ln2_full if S.sp else a.ln2
+        wn = p + "c_fc.weight"
+        matmul_backward(out, g[wn], g[p + "c_fc.bias"], dfch, ln2, w[wn])
+        if S.sp:
+            self._scatter(out)
+
+    def _finish_ln2(self, st, l: int) -> None:
+        """dres += ln2 backward (dln2 reduced in tp_buf): dres becomes dL/d res2."""
+        a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.ln_2."
+        layernorm_backward(
+            st.dres,
+            g[p + "weight"],
+            g[p + "bias"],
+            self._reduced_block(),
+            a.res2,
+            w[p + "weight"],
+            a.ln2_mean,
+            a.ln2_rstd,
+        )
+
+    def _bwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Sequence parallel: ln2 backward on the shard, dres into tp_buf for the allgather."""
+        self._finish_ln2(st, l)
+        self._blocks()[self.r] = st.dres
+
+    def _bwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """proj, attention and qkv backward: partial dln1 into tp_buf."""
+        S, C = self.S, self.S.cfg.n_embd
+        a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.attn."
+        if not S.sp:
+            self._finish_ln2(st, l)
+        dout = self._dout_full(st)
+        g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
+        datty = self.scratch("datty", S.B, S.T, C // S.tp)
+        dqkv = self.scratch("dqkv", S.B, S.T, 3 * C // S.tp)
+        datty.fill(0)
+        dqkv.fill(0)
+        wn = p + "c_proj.weight"
+        matmul_backward(datty, g[wn], None, dout, a.atty, w[wn])
+        attention_backward(dqkv, datty, a.qkv, a.att, self.NHl)
+        out = self._partial_out()
+        out.fill(0)
+        ln1 = a.ln1_full if S.sp else a.ln1
+        wn = p + "c_attn.weight"
+        matmul_backward(out, g[wn], g[p + "c_attn.bias"], dqkv, ln1, w[wn])
+        if S.sp:
+            self._scatter(out)
+
+    def _bwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Sequence parallel: ln1 backward on the shard; dres into tp_buf for the next
+        allgather (a lower layer, or the embedding), or out as the stage's input gradient."""
+        self._finish_ln1(st, l)
+        if l != ch.layers[0] or ch.embed:
+            self._blocks()[self.r] = st.dres
+        else:
+            self._send_grad(st, ch, mb)
+
+    def _send_grad(self, st, ch: Chunk, mb: int) -> None:
+        self.message("grad_in", mb, ch.index)[...] = st.dres
+        self._free(mb, ch.index)
+
+    def _bwd_end(self, st, ch: Chunk, mb: int) -> None:
+        """ln1 backward of the chunk's bottom layer, then the embedding backward or the
+        input gradient for the previous stage."""
+        self._finish_ln1(st, ch.layers[0])
+        if ch.embed:
+            self._embed_backward(st, ch, mb, st.dres)
+        else:
+            self._send_grad(st, ch, mb)
+
+    def _bwd_embed(self, st, ch: Chunk, mb: int) -> None:
+        """Sequence parallel: the embedding backward on the allgathered gradient."""
+        S = self.S
+        d = self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
+        self._embed_backward(st, ch, mb, d)
+
+    def _embed_backward(self, st, ch: Chunk, mb: int, d: np.ndarray) -> None:
+        S, C = self.S, self.S.cfg.n_embd
+        self.g["wpe"][: S.T] += d.sum(axis=0)
+        local = st.tokens.reshape(-1) - self.lo
+        mask = (local >= 0) & (local < self.valid)
+        np.add.at(self.g["wte"], local[mask], d.reshape(-1, C)[mask])
+        self._free(mb, ch.index)
+
+    # ------------------------------------------------------------------------------------
+    # after the pipeline
+
+    def sp_pack(self) -> None:
+        """Gather the sequence-partial gradients (layernorms, row-parallel biases) into
+        sp_buf for their allreduce over TP (Megatron's _allreduce_layernorm_grads)."""
+        i = 0
+        for lo, hi in self.layout.sp_ranges:
+            self.sp_buf[i : i + hi - lo] = self.grads[lo:hi]
+            i += hi - lo
+
+    def sp_unpack(self) -> None:
+        i = 0
+        for lo, hi in self.layout.sp_ranges:
+            self.grads[lo:hi] = self.sp_buf[i : i + hi - lo]
+            i += hi - lo
+
+    def step(self, lr: float, weight_decay: float = 0.0) -> None:
+        """AdamW over both flat arrays, then zero the gradients."""
+        if self.m is None:
+            self.m, self.v = np.zeros_like(self.params), np.zeros_like(self.params)
+            self.em, self.ev = np.zeros_like(self.eparams), np.zeros_like(self.eparams)
+        self.t += 1
+        adamw_update(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
+        if self.eparams.size:
+            adamw_update(
+                self.eparams, self.egrads, self.em, self.ev, self.t, lr, weight_decay=weight_decay
+            )
+        self.grads.fill(0)
+        self.egrads.fill(0)

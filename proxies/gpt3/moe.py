@@ -1,0 +1,134 @@
+"""Mixture-of-experts pieces of StageShard (model.py): every layer's MLP replaced by E
+experts spread over the expert-parallel group, k experts per token (Megatron/GShard).
+
+Letters as in config.py; cap = ceil(cf * k * N / E) slots per expert per source rank.
+
+    forward:  gate (ln2, router, top-k, capacity)  -> moe_buf (E, cap, C)
+              all-to-all over ep (block j: the experts of ep rank j)
+              experts (tokens from every source, (ep, E/ep, cap, C)) -> outputs in place
+              all-to-all back; combine: y[t] = sum of score * output over t's kept choices
+              -> tp_buf, partial over TP (experts are TP-sharded like the dense MLP:
+              fc column-parallel, fcproj row-parallel, no biases), allreduced by the plan
+    backward: combine (d outputs -> moe_buf; d score partial -> dscore_buf, allreduced over
+              TP) -> all-to-all -> experts -> all-to-all -> gate (token gradients + the
+              router's, added on TP rank 0 only since the router is replicated) -> tp_buf
+
+Scores are the softmax over the k chosen logits (Megatron's default); tokens past an
+expert's capacity are dropped for that expert (top-1 choices claim slots first). There is no
+load-balancing loss: the routing, and so the message sizes, do not depend on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proxies.gpt2.kernels import gelu_backward, gelu_forward, matmul_backward, matmul_forward
+from proxies.gpt3.config import Chunk
+
+
+class MoEPieces:
+    """Pieces fwd_gate, fwd_expert, fwd_combine, bwd_combine, bwd_expert, bwd_gate."""
+
+    def _fwd_gate(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Residual, ln2, top-k gate; the tokens each expert takes (at most `cap` per expert
+        from this rank, top-1 choices first) into moe_buf (E, cap, C) for the dispatch."""
+        S, moe, C = self.S, self.S.moe, self.S.cfg.n_embd
+        a = st.layers[l]
+        self._finish_attn(st, l)
+        x = a.ln2.reshape(-1, C)
+        logits = x @ self.w[f"h.{l}.moe.gate.weight"].T  # (N, E)
+        topk = np.argsort(-logits, axis=1, kind="stable")[:, : moe.top_k]  # (N, k)
+        z = np.take_along_axis(logits, topk, axis=1)
+        z = np.exp(z - z.max(axis=1, keepdims=True))
+        a.scores = z / z.sum(axis=1, keepdims=True)  # softmax over the k chosen (Megatron)
+        a.topk = topk
+        # capacity: slots in order of (choice j, token t)
+        e_flat = topk.T.reshape(-1)  # index j*N + t
+        order = np.argsort(e_flat, kind="stable")
+        starts = np.searchsorted(e_flat[order], np.arange(moe.experts))
+        slot = np.empty_like(e_flat)
+        slot[order] = np.arange(e_flat.size) - starts[e_flat[order]]
+        keep = slot < self.cap
+        a.kept = np.flatnonzero(keep)  # indices j*N + t
+        a.t_kept = a.kept % S.N
+        a.e_kept, a.slot_kept = e_flat[keep], slot[keep]
+        buf = self.moe_buf.reshape(moe.experts, self.cap, C)
+        buf.fill(0)
+        buf[a.e_kept, a.slot_kept] = x[a.t_kept]
+
+    def _fwd_expert(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Every local expert on the tokens every source rank sent it (ep, E/ep, cap, C)."""
+        S, moe, C = self.S, self.S.moe, self.S.cfg.n_embd
+        a, w = st.layers[l], self.w
+        buf = self.moe_buf.reshape(moe.ep, moe.local_experts, self.cap, C)
+        a.ex = []
+        for e in range(moe.local_experts):
+            p = f"h.{l}.experts.{e}."
+            x = buf[:, e].reshape(-1, C).copy()
+            fch = np.empty((x.shape[0], moe.ffn_hidden // S.tp), dtype=self.dtype)
+            matmul_forward(fch, x, w[p + "c_fc.weight"], None)
+            gel = np.empty_like(fch)
+            gelu_forward(gel, fch)
+            out = np.empty_like(x)
+            matmul_forward(out, gel, w[p + "c_proj.weight"], None)  # partial over TP
+            buf[:, e] = out.reshape(moe.ep, self.cap, C)
+            a.ex.append((x, fch, gel))
+
+    def _fwd_combine(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """y[t] = sum over t's kept choices of score * expert output: partial over TP."""
+        moe, C = self.S.moe, self.S.cfg.n_embd
+        a = st.layers[l]
+        buf = self.moe_buf.reshape(moe.experts, self.cap, C)
+        a.eo = buf[a.e_kept, a.slot_kept]  # (kept, C) copies
+        s = a.scores.T.reshape(-1)[a.kept]
+        y = self._full().reshape(-1, C)
+        y.fill(0)
+        np.add.at(y, a.t_kept, s[:, None] * a.eo)
+
+    def _bwd_combine(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Gradients of the expert outputs into moe_buf for the dispatch back, and this rank's
+        partial d(score) = <dy, expert output> into dscore_buf (summed over TP)."""
+        moe, C = self.S.moe, self.S.cfg.n_embd
+        a = st.layers[l]
+        dy = self._layer_dres(st, ch, mb, l).reshape(-1, C)
+        s = a.scores.T.reshape(-1)[a.kept]
+        buf = self.moe_buf.reshape(moe.experts, self.cap, C)
+        buf.fill(0)
+        buf[a.e_kept, a.slot_kept] = s[:, None] * dy[a.t_kept]
+        self.dscore_buf.fill(0)
+        self.dscore_buf[a.kept] = np.einsum("ic,ic->i", dy[a.t_kept], a.eo)
+
+    def _bwd_expert(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Every local expert's backward; input gradients (partial over TP) back in place."""
+        moe, C = self.S.moe, self.S.cfg.n_embd
+        a, w, g = st.layers[l], self.w, self.g
+        buf = self.moe_buf.reshape(moe.ep, moe.local_experts, self.cap, C)
+        for e, (x, fch, gel) in enumerate(a.ex):
+            p = f"h.{l}.experts.{e}."
+            dout = buf[:, e].reshape(-1, C).copy()
+            dgel = np.zeros_like(gel)
+            matmul_backward(dgel, g[p + "c_proj.weight"], None, dout, gel, w[p + "c_proj.weight"])
+            dfch = np.zeros_like(fch)
+            gelu_backward(dfch, fch, dgel)
+            dx = np.zeros_like(x)
+            matmul_backward(dx, g[p + "c_fc.weight"], None, dfch, x, w[p + "c_fc.weight"])
+            buf[:, e] = dx.reshape(moe.ep, self.cap, C)  # partial over TP
+
+    def _bwd_gate(self, st, ch: Chunk, mb: int, l: int) -> None:
+        """Token gradients from the experts (partial over TP) plus the gate's (added on TP
+        rank 0 only, as it is the same on every rank): dln2 into tp_buf for the allreduce."""
+        S, moe, C = self.S, self.S.moe, self.S.cfg.n_embd
+        a = st.layers[l]
+        buf = self.moe_buf.reshape(moe.experts, self.cap, C)
+        dx = self._full().reshape(-1, C)
+        dx.fill(0)
+        np.add.at(dx, a.t_kept, buf[a.e_kept, a.slot_kept])
+        ds = self.dscore_buf.reshape(moe.top_k, S.N).T  # (N, k), summed over TP
+        dz = a.scores * (ds - (a.scores * ds).sum(axis=1, keepdims=True))
+        dlogits = np.zeros((S.N, moe.experts), dtype=self.dtype)
+        np.put_along_axis(dlogits, a.topk, dz, axis=1)
+        wn = f"h.{l}.moe.gate.weight"
+        x = a.ln2.reshape(-1, C)
+        self.g[wn] += dlogits.T @ x
+        if self.r == 0:
+            dx += dlogits @ self.w[wn]
