@@ -62,7 +62,7 @@ def test_examples_are_there():
 def test_example(command):
     argv = shlex.split(command)
     argv = [mpiexec() if a == "mpiexec" else sys.executable if a == "python" else a for a in argv]
-    r = run(argv, timeout=300)
+    r = run(argv, timeout=600)
     assert r.returncode == 0, r.stderr
     assert marker(argv) in r.stdout
     assert "Traceback" not in r.stderr
