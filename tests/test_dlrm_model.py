@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import check
 
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.dlrm.proxy import DLRMRuntime, make_job, parser, resolve
 
 TINY = ["--model", "dlrm-tiny"]
-
-
-def check(name: str, got, want, atol: float = 1e-7, rtol: float = 1e-6):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    err = np.max(np.abs(got - want) - rtol * np.abs(want), initial=0.0)
-    assert err <= atol, f"{name}: max error {err:.3g} beyond atol {atol} + rtol {rtol}"
 
 
 def setup(argv: list[str], world: int, dtype=np.float64):
