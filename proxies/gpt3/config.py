@@ -10,42 +10,18 @@ tp tensor-, pp pipeline-, dp data-, ep expert-parallel degrees; v model chunks p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from proxies.gpt2.config import GPT2Config
 
 
 @dataclass(frozen=True)
-class GPT3Config:
-    name: str
-    n_layer: int  # L
-    n_embd: int  # C
-    n_head: int  # NH
-    vocab_size: int = 50257  # V: GPT-2's BPE, as GPT-3
+class GPT3Config(GPT2Config):
+    """GPT-2's architecture (and validation, parameter counts) at GPT-3's sizes. Python ints
+    count parameters, so 175B prints 174.6 billion (the C++ proxy's 32-bit product prints
+    162)."""
+
     max_seq_len: int = 2048  # rows of the position embedding wpe (GPT-3's context)
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd = {self.n_embd} is not a multiple of n_head = {self.n_head}")
-
-    @property
-    def layer_params(self) -> int:
-        """One transformer layer: 12C^2 + 13C (qkv, proj, fc, fcproj with biases, 2 layernorms)."""
-        C = self.n_embd
-        return 12 * C * C + 13 * C
-
-    @property
-    def num_params(self) -> int:
-        """All parameters (tied LM head counted once, vocabulary unpadded). Python ints: 64-bit
-        safe, so 175B prints 174.6 billion (the C++ proxy's 32-bit product prints 162)."""
-        C = self.n_embd
-        return (self.vocab_size + self.max_seq_len) * C + self.n_layer * self.layer_params + 2 * C
-
-    def with_layers(self, n_layer: int) -> GPT3Config:
-        return replace(self, n_layer=n_layer)
 
     def to_gpt2(self) -> GPT2Config:
         """The same network as a GPT-2 config: the unsharded reference in tests."""
