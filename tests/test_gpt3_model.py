@@ -138,11 +138,11 @@ MOE = ["2", "1", *TINY, "--moe-experts", "4", "--capacity-factor", "1.0"]
 
 
 def test_moe_layouts_train_like_one_process():
-    want, _ = emulate([*MOE, "--micro-batches", "8"], 1)
+    want, _ = emulate([*MOE, "--micro-batches", "4"], 1)
     for world, extra in [
-        (2, ["--tp", "2", "--micro-batches", "8"]),  # experts sharded over TP
-        (4, ["--tp", "2", "--micro-batches", "4"]),  # tp 2 x ep 2: 2 experts per rank
-        (4, ["--micro-batches", "2", "--ep", "2"]),  # ep 2 x expert-data 2
+        (2, ["--tp", "2", "--micro-batches", "4"]),  # experts sharded over TP
+        (4, ["--tp", "2", "--micro-batches", "2"]),  # tp 2 x ep 2: 2 experts per rank
+        (4, ["--micro-batches", "1", "--ep", "2"]),  # ep 2 x expert-data 2
     ]:
         got, rts = emulate([*MOE, *extra], world)
         assert got == pytest.approx(want, rel=1e-5), extra
