@@ -39,10 +39,18 @@ def local_ranks() -> int:
     return 1
 
 
+# Set beside the variables when this module chose them: a process started from one that
+# imported proxies (pytest, the sweep runner) must choose again for its own rank count,
+# not take the parent's choice for the user's.
+AUTO_MARK = "PROXIES_BLAS_THREADS_AUTO"
+
+
 def pin_blas_threads() -> None:
     global decision
     cores, ranks = cores_available(), local_ranks()
-    user = next((v for v in BLAS_VARS if v in os.environ), None)
+    mark = os.environ.get(AUTO_MARK)
+    ours = mark is not None and all(os.environ.get(v) == mark for v in BLAS_VARS)
+    user = None if ours else next((v for v in BLAS_VARS if v in os.environ), None)
     if user is not None:
         threads = int(os.environ[user]) if os.environ[user].isdigit() else 0
         decision = (threads, ranks, cores, f"user ({user})")
@@ -50,4 +58,5 @@ def pin_blas_threads() -> None:
     threads = max(1, cores // ranks)
     for var in BLAS_VARS:
         os.environ[var] = str(threads)
+    os.environ[AUTO_MARK] = str(threads)
     decision = (threads, ranks, cores, "cores / ranks on node")
