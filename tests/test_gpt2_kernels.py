@@ -10,36 +10,11 @@ import math
 
 import numpy as np
 import pytest
+from gradcheck import check, numgrad, rand
 
 from proxies.gpt2 import kernels as K
 
 B, T, C, NH, V = 2, 5, 8, 2, 11
-
-
-def check(name: str, got: np.ndarray, want: np.ndarray, atol: float = 1e-7, rtol: float = 1e-6):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    err = np.max(np.abs(got - want) - rtol * np.abs(want), initial=0.0)
-    assert err <= atol, f"{name}: max error {err:.3g} beyond atol {atol} + rtol {rtol}"
-
-
-def numgrad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Centered differences of the scalar f() w.r.t. every entry of x (perturbed in place)."""
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * eps)
-    return g
-
-
-def rand(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
-    return scale * np.random.default_rng([seed, *shape]).standard_normal(shape)
 
 
 def ones_like(x: np.ndarray) -> np.ndarray:

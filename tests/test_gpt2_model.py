@@ -7,19 +7,13 @@ import math
 
 import numpy as np
 import pytest
+from gradcheck import check
 
 from proxies.gpt2.config import GPT2Config
 from proxies.gpt2.model import StageModel
 
 CFG = GPT2Config("t", 2, 16, 2, vocab_size=32, max_seq_len=8)
 B, T = 2, 5
-
-
-def check(name: str, got, want, atol: float = 1e-7, rtol: float = 1e-6):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    err = np.max(np.abs(got - want) - rtol * np.abs(want), initial=0.0)
-    assert err <= atol, f"{name}: max error {err:.3g} beyond atol {atol} + rtol {rtol}"
 
 
 def batch(seed: int = 0, V: int = CFG.vocab_size):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.gpt2.config import GPT2Config
+from proxies.gpt2.config import GPT2Config, layer_shapes, layout_size, stage_layout
 from proxies.gpt2.kernels import (
     adamw_update,
     attention_backward,
@@ -34,38 +34,8 @@ from proxies.gpt2.kernels import (
     residual_forward,
 )
 
-# One transformer layer's tensors, named as in nanoGPT and the HF checkpoint (weights (OC,C)).
-LAYER_TENSORS = (
-    "ln_1.weight",
-    "ln_1.bias",
-    "attn.c_attn.weight",
-    "attn.c_attn.bias",
-    "attn.c_proj.weight",
-    "attn.c_proj.bias",
-    "ln_2.weight",
-    "ln_2.bias",
-    "mlp.c_fc.weight",
-    "mlp.c_fc.bias",
-    "mlp.c_proj.weight",
-    "mlp.c_proj.bias",
-)
-
-
-def layer_shapes(C: int) -> dict[str, tuple[int, ...]]:
-    return {
-        "ln_1.weight": (C,),
-        "ln_1.bias": (C,),
-        "attn.c_attn.weight": (3 * C, C),
-        "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C),
-        "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,),
-        "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (4 * C, C),
-        "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (C, 4 * C),
-        "mlp.c_proj.bias": (C,),
-    }
+# One transformer layer's 12 tensors in layout order (shapes: config.layer_shapes).
+LAYER_TENSORS = tuple(layer_shapes(1))
 
 
 @dataclass
@@ -131,24 +101,11 @@ class StageModel:
         self.B, self.T, self.seed, self.dtype = B, T, seed, np.dtype(dtype)
         C, V = cfg.n_embd, cfg.vocab_size
 
-        # layout: wte first (when held), then wpe, the layers, ln_f
-        shapes: list[tuple[str, tuple[int, ...]]] = []
-        if first or last:
-            shapes.append(("wte", (V, C)))
-        if first:
-            shapes.append(("wpe", (cfg.max_seq_len, C)))
-        for l in layers:
-            shapes += [(f"h.{l}.{n}", s) for n, s in layer_shapes(C).items()]
-        if last:
-            shapes += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
-        self.layout: list[tuple[str, tuple[int, ...], int]] = []
-        offset = 0
-        for name, shape in shapes:
-            self.layout.append((name, shape, offset))
-            offset += math.prod(shape)
+        self.layout = stage_layout(cfg, layers, first, last)
         assert len(layers) * cfg.layer_params == sum(
-            math.prod(s) for n, s in shapes if n.startswith("h.")
+            math.prod(s) for n, s, _ in self.layout if n.startswith("h.")
         )
+        offset = layout_size(self.layout)
         self.num_params = offset
         self.params = np.zeros(offset, dtype=self.dtype)
         self.grads = np.zeros(offset, dtype=self.dtype)

@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from proxies.gpt2.config import layer_shapes
 from proxies.gpt2.kernels import (
     CLASSIFIER_CHUNK,
     adamw_update,
@@ -49,7 +50,7 @@ from proxies.gpt2.kernels import (
     matmul_backward,
     matmul_forward,
 )
-from proxies.gpt2.model import LAYER_TENSORS, _normal, layer_shapes
+from proxies.gpt2.model import LAYER_TENSORS, _normal
 from proxies.gpt3.config import Chunk, Setup
 from proxies.gpt3.moe import MoEPieces
 
