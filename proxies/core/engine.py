@@ -330,12 +330,21 @@ class Engine:
         t.seconds[op.category] += self.MPI.Wtime() - t0  # issuing it is exposed time
         self.pending[op.req] = [op, buf, reqs, state, t0, None]
 
-    def _progress(self) -> None:
-        """Test pending requests: drives MPI progress between ops and notes completion."""
-        now = None
+    def _progress(self, t: IterationTimes) -> None:
+        """Test pending requests: drives MPI progress between ops and notes completion.
+
+        Without a progress thread, MPI moves a non-blocking collective's data inside these
+        tests, so their time is the collective's exposed time (this rank was not computing).
+        """
+        Wtime = self.MPI.Wtime
         for entry in self.pending.values():
-            if entry[5] is None and self.MPI.Request.Testall(entry[2]):
-                entry[5] = now = now or self.MPI.Wtime()
+            if entry[5] is None:
+                t0 = Wtime()
+                done = self.MPI.Request.Testall(entry[2])
+                t1 = Wtime()
+                t.seconds[entry[0].category] += t1 - t0
+                if done:
+                    entry[5] = t1
 
     def _wait(self, op: Wait, t: IterationTimes) -> None:
         MPI = self.MPI
@@ -393,7 +402,7 @@ class Engine:
             else:
                 raise NotImplementedError(f"op {op!r}")
             if self.pending:
-                self._progress()
+                self._progress(t)
         if self.pending:
             raise CheckError(f"requests never waited for: {', '.join(self.pending)}")
         for category, spans in t.inflight.items():

@@ -88,6 +88,34 @@ def layout_size(layout: list[tuple[str, tuple[int, ...], int]]) -> int:
     return offset + math.prod(shape)
 
 
+def backward_pieces(
+    cfg: GPT2Config, layers: range, first: bool, last: bool
+) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """A stage's backward in pieces, in backward order (as StageModel.pieces): (name, the
+    flat [lo, hi) ranges of the gradients complete after that piece and not before).
+
+    "head" (last stage): ln_f, and wte unless the stage is also first (then the encoder adds
+    to wte: it completes at "embed"); "h.{l}": layer l's 12 tensors; "embed" (first stage):
+    wte and wpe. Together the ranges cover the stage's flat buffer once. The head's two
+    ranges are not adjacent (wte opens the layout, ln_f closes it): a bucket holding it is
+    one range only once it reaches down to wte.
+    """
+    at = {
+        name: (offset, offset + math.prod(shape))
+        for name, shape, offset in stage_layout(cfg, layers, first, last)
+    }
+    pieces = []
+    if last:
+        lnf = (at["ln_f.weight"][0], at["ln_f.bias"][1])
+        pieces.append(("head", (lnf,) if first else (lnf, at["wte"])))
+    for l in reversed(layers):
+        lo, hi = at[f"h.{l}.ln_1.weight"][0], at[f"h.{l}.mlp.c_proj.bias"][1]
+        pieces.append((f"h.{l}", ((lo, hi),)))
+    if first:
+        pieces.append(("embed", ((at["wte"][0], at["wpe"][1]),)))
+    return pieces
+
+
 def stage_flops(cfg: GPT2Config, layers: range, last: bool, B: int, T: int) -> float:
     """Forward FLOPs of one micro-batch: 2 per multiply-add of every matmul. Per layer
     24 B T C^2 (qkv, proj, fc, fcproj) + 4 B T^2 C (QK^T and AV over the full T x T square,

@@ -71,6 +71,8 @@ class StageActs:
     lnf_rstd: np.ndarray | None = None
     lse: np.ndarray | None = None  # (B,T) log-sum-exp of the logits
     loss_scale: float = 1.0
+    dres: np.ndarray | None = None  # (B,T,C) residual-stream gradient between backward pieces
+    next_piece: int = 0  # the backward piece to run next
     out: np.ndarray = field(init=False)  # (B,T,C) stage output, a view of the last buffer
 
     def __post_init__(self) -> None:
@@ -127,6 +129,12 @@ class StageModel:
         self._saved: dict[int, StageActs] = {}  # micro-batches in flight
         self._pool: list[StageActs] = []  # freed saved states, reused by later forwards
         self._scratch: dict[str, np.ndarray] | None = None  # backward's per-layer gradients
+        # backward pieces in order: (name, index into self.layers for "h.{l}", else -1)
+        self._pieces = (
+            ([("head", -1)] if last else [])
+            + [(f"h.{layers[k]}", k) for k in reversed(range(len(layers)))]
+            + ([("embed", -1)] if first else [])
+        )
 
     def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         return {n: flat[o : o + math.prod(s)].reshape(s) for n, s, o in self.layout}
@@ -255,6 +263,12 @@ class StageModel:
     # ------------------------------------------------------------------------------------
     # backward
 
+    def pieces(self) -> tuple[str, ...]:
+        """The backward's pieces in order: "head" (last stage: LM head + ln_f), "h.{l}" for
+        each layer from the last, "embed" (first stage: the encoder). After a piece, the
+        gradients of config.backward_pieces' ranges for it are complete."""
+        return tuple(name for name, _ in self._pieces)
+
     def backward(self, mb: int, dout: np.ndarray | None = None) -> np.ndarray | None:
         """Backward of micro-batch `mb`: accumulates into grads and frees mb's saved state.
 
@@ -262,28 +276,53 @@ class StageModel:
         Returns the gradient w.r.t. the stage input (B,T,C), a new array the caller owns, or
         None on the first stage.
         """
-        if mb not in self._saved:
-            raise ValueError(f"micro-batch {mb} has no forward in flight on this stage")
-        B, T, C = self.B, self.T, self.cfg.n_embd
-        a = self._saved.pop(mb)
+        if not self._pieces:  # a stage of no layers, neither first nor last: the identity
+            self._check_piece(mb, 0, dout)
+            self._pool.append(self._saved.pop(mb))
+            return np.array(dout, dtype=self.dtype)
+        for i in range(len(self._pieces)):
+            din = self.backward_piece(mb, i, dout if i == 0 else None)
+        return din
+
+    def backward_piece(self, mb: int, i: int, dout: np.ndarray | None = None) -> np.ndarray | None:
+        """Piece i of pieces() of micro-batch mb's backward; pieces run in order, and together
+        they are backward(mb, dout). Piece 0 takes dout (None on the last stage). The last
+        piece frees mb's saved state and returns backward's result; the others None."""
+        a = self._check_piece(mb, i, dout)
         w, g = self.views, self.grad_views
-        dres = np.zeros((B, T, C), dtype=self.dtype)  # gradient of the residual stream
-        if self.last:
+        if i == 0:  # the gradient of the residual stream, carried from piece to piece
+            a.dres = np.zeros((self.B, self.T, self.cfg.n_embd), dtype=self.dtype)
+            if not self.last:
+                a.dres[...] = dout
+        dres = a.dres
+        name, k = self._pieces[i]
+        if name == "head":
             dlnf = self._get_scratch()["dln"]
             dlnf.fill(0)
             classifier_backward(dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale)
             wn, bn = "ln_f.weight", "ln_f.bias"
             layernorm_backward(dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd)
-        else:
-            _expect("gradient", dout, (B, T, C))
-            dres[...] = dout
-        for l, la in zip(reversed(self.layers), reversed(a.layers), strict=True):
-            self._layer_backward(l, la, dres)
-        self._pool.append(a)
-        if self.first:
+        elif name == "embed":
             encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
+        else:
+            self._layer_backward(self.layers[k], a.layers[k], dres)
+        a.next_piece = i + 1
+        if a.next_piece < len(self._pieces):
             return None
-        return dres
+        del self._saved[mb]
+        a.dres, a.next_piece = None, 0
+        self._pool.append(a)
+        return None if self.first else dres
+
+    def _check_piece(self, mb: int, i: int, dout: np.ndarray | None) -> StageActs:
+        a = self._saved.get(mb)
+        if a is None:
+            raise ValueError(f"micro-batch {mb} has no forward in flight on this stage")
+        if i != a.next_piece:
+            raise ValueError(f"micro-batch {mb}: backward piece {i}, expected {a.next_piece}")
+        if i == 0 and not self.last:
+            _expect("gradient", dout, (self.B, self.T, self.cfg.n_embd))
+        return a
 
     def _layer_backward(self, l: int, a: LayerActs, dres: np.ndarray) -> None:
         """dres holds dL/d(res3) on entry and dL/d(inp) on exit.

@@ -6,25 +6,28 @@ Each rank holds one stage (a contiguous run of layers; stage 0 also the embeddin
 last stage the final layernorm and the tied LM head) of one data-parallel replica. One
 iteration: the pipeline schedule over M micro-batches (activations forward, activation
 gradients backward), then the stage's gradients allreduced in its data-parallel group (one
-fused buffer, as the C++ proxy), then the tied token-embedding gradient summed between the
-first and last stage (Megatron's embedding group), then AdamW.
+fused buffer, as the C++ proxy; or, with --grad-sync buckets, bucket by bucket while the last
+micro-batch's backward still runs, as PyTorch DDP), then the tied token-embedding gradient
+summed between the first and last stage (Megatron's embedding group), then AdamW.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections import defaultdict
 
 import numpy as np
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import Collective, Compute, Plan, block_range
+from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt2.config import (
     PRESETS,
     GPT2Config,
+    backward_pieces,
     layout_size,
     stage_flops,
     stage_layout,
@@ -35,6 +38,7 @@ from proxies.gpt2.kernels import adamw_update
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
 MAX_TAG_MICROBATCHES = 16383  # pipeline tags stay below 32768, MPI's guaranteed minimum
+DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,11 +107,22 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--grad-sync",
-        choices=("fused", "per-tensor"),
+        choices=("fused", "per-tensor", "buckets"),
         default="fused",
-        help="data-parallel gradient allreduce: one fused buffer per stage (as the C++ "
-        "proxy; the default) or one message per parameter tensor (the C++ proxy without "
-        "aggregation)",
+        help="data-parallel gradient allreduce: fused, one buffer per stage after the pipeline "
+        "(as the C++ proxy; the default); per-tensor, one message per parameter tensor (the "
+        "C++ proxy without aggregation); buckets, each started non-blocking as soon as the "
+        "last micro-batch's backward has finished its layers, overlapping the rest of that "
+        "backward (PyTorch DDP), and completed after the pipeline (not with --zero 1)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=nonneg_float,
+        metavar="MB",
+        help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
+        f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
+        "buckets are runs of whole backward pieces (LM head, layers, embeddings) in backward "
+        "order; 0: one bucket per piece",
     )
     p.add_argument(
         "--zero",
@@ -126,6 +141,16 @@ def parser() -> argparse.ArgumentParser:
     )
     cli.add_common(p)
     return p
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def split_layers(L: int, pp: int) -> list[range]:
@@ -160,6 +185,9 @@ class GPT2Runtime:
         B, T, C, m = args.micro_batch, args.seq_len, cfg.n_embd, args.micro_batches
         self.B, self.T, self.C, self.m, self.dp = B, T, C, m, dp
         self.first, self.last = first, last
+        self.piece = {
+            name: i for i, (name, _) in enumerate(backward_pieces(cfg, layers, first, last))
+        }
         self.source, self.lr, self.wd = source, args.lr, args.weight_decay
         self.dp_rank = dp_rank
         self.layout = {
@@ -192,6 +220,9 @@ class GPT2Runtime:
         if name.startswith("grad:"):  # one parameter tensor's gradient, e.g. "grad:wte"
             offset, size = self.layout[name[5:]]
             return self.grads[offset : offset + size]
+        if name.startswith("grads:"):  # a bucket: a flat range, "grads:LO:HI"
+            lo, hi = map(int, name.split(":")[1:])
+            return self.grads[lo:hi]
         buf = self.bufs.get((name, mb))
         if buf is None:
             buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
@@ -218,6 +249,12 @@ class GPT2Runtime:
             din = model.backward(op.mb, dout)
             if not self.first:
                 self.bufs[("grad_in", op.mb)] = din
+        elif op.name.startswith("backward:"):  # one piece, e.g. "backward:h.3"
+            i = self.piece[op.name[9:]]
+            dout = None if self.last or i else self.buffer("grad_out", op.mb, 0)
+            din = model.backward_piece(op.mb, i, dout)
+            if i == len(self.piece) - 1 and not self.first:
+                self.bufs[("grad_in", op.mb)] = din
         elif op.name == "optimizer":
             if self.zero:
                 self.steps += 1
@@ -237,15 +274,79 @@ class GPT2Runtime:
         return out
 
 
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted [lo, hi) ranges with adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def grad_buckets(pieces, min_count: float) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Gradient buckets in posting order: (index of the piece that completes it, its flat
+    ranges). A bucket is a run of consecutive backward pieces (config.backward_pieces),
+    closed once it holds min_count elements (0: every piece) or at the last piece."""
+    out, ranges = [], []
+    for i, (_, rs) in enumerate(pieces):
+        ranges += rs
+        if sum(hi - lo for lo, hi in ranges) >= min_count or i == len(pieces) - 1:
+            out.append((i, merge_ranges(ranges)))
+            ranges = []
+    return out
+
+
+def bucketed_backward(
+    ops: list, last_mb: int, cfg: GPT2Config, layers: range, first: bool, last: bool, args
+) -> tuple[list, list[str]]:
+    """`ops` with micro-batch last_mb's backward cut into its pieces, each followed by the
+    non-blocking data-parallel allreduces of the buckets it completes (one per contiguous
+    range of the flat buffer); and the requests, for gradient_sync to wait for.
+
+    Each piece's flops are twice its forward's (the LM head's, a layer's; the encoder's
+    none), so the pieces add up to the unsplit backward."""
+    B, T = args.micro_batch, args.seq_len
+    pieces = backward_pieces(cfg, layers, first, last)
+    flops = {"head": 2 * stage_flops(cfg, range(0), True, B, T), "embed": 0.0}
+    layer = 2 * stage_flops(cfg, range(1), False, B, T)
+    posts: dict[int, list[Collective]] = defaultdict(list)
+    reqs: list[str] = []
+    for i, ranges in grad_buckets(pieces, args.bucket_mb * 2**20 / 4):
+        for lo, hi in ranges:
+            reqs.append(f"dp{len(reqs)}")
+            coll = Collective("allreduce", "dp", f"grads:{lo}:{hi}", hi - lo, req=reqs[-1])
+            posts[i].append(coll)
+    out = []
+    for op in ops:
+        if not (isinstance(op, Compute) and op.name == "backward" and op.mb == last_mb):
+            out.append(op)
+            continue
+        for i, (name, _) in enumerate(pieces):
+            out.append(Compute(f"backward:{name}", op.mb, op.chunk, flops.get(name, layer)))
+            out += posts[i]
+    return out, reqs
+
+
 def gradient_sync(
-    cfg: GPT2Config, layers: range, first: bool, last: bool, pp: int, dp: int, args
+    cfg: GPT2Config,
+    layers: range,
+    first: bool,
+    last: bool,
+    pp: int,
+    dp: int,
+    args,
+    posted: tuple[str, ...] | list[str] = (),
 ) -> list:
     """The end of an iteration: gradients summed over data-parallel replicas, the tied
     embedding's between the first and last stage (Megatron's embedding group), AdamW.
 
     fused: one allreduce of the stage's flat gradient buffer (DP first, then embedding, as
-    Megatron). per-tensor: one allreduce per parameter tensor. ZeRO-1: embedding allreduce
-    first (the shards split wte), reduce-scatter, AdamW on the shard, allgather parameters.
+    Megatron). per-tensor: one allreduce per parameter tensor. buckets: wait for the
+    allreduces `posted` during the last backward (bucketed_backward). ZeRO-1: embedding
+    allreduce first (the shards split wte), reduce-scatter, AdamW on the shard, allgather
+    parameters.
     """
     layout = stage_layout(cfg, layers, first, last)
     n = layout_size(layout)
@@ -261,11 +362,12 @@ def gradient_sync(
         return ops
     if dp > 1 and args.grad_sync == "fused":
         ops.append(Collective("allreduce", "dp", "grads", n))
-    elif dp > 1:
+    elif dp > 1 and args.grad_sync == "per-tensor":
         ops += [
             Collective("allreduce", "dp", f"grad:{name}", math.prod(shape))
             for name, shape, _ in layout
         ]
+    ops += [Wait(req) for req in posted]
     if embed:
         ops.append(Collective("allreduce", "embed", "grad:wte", wte))
     ops.append(Compute("optimizer"))
@@ -294,6 +396,18 @@ def make_job(args, world: int) -> runner.Job:
         raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
     if args.weight_decay < 0:
         raise cli.UsageError(f"--weight-decay {args.weight_decay}: must be >= 0")
+    buckets = args.grad_sync == "buckets"
+    if args.bucket_mb is not None and not buckets:
+        raise cli.UsageError(
+            f"--bucket-mb {args.bucket_mb:g} needs --grad-sync buckets (it is {args.grad_sync})"
+        )
+    if buckets and args.zero:
+        raise cli.UsageError(
+            "--zero 1 reduce-scatters one fused buffer after the pipeline: it does not combine "
+            "with --grad-sync buckets"
+        )
+    if buckets and args.bucket_mb is None:
+        args.bucket_mb = DEFAULT_BUCKET_MB
     dp = world // pp
     try:
         grid = ProcessGrid.create(args.order, pp=pp, dp=dp)
@@ -317,8 +431,9 @@ def make_job(args, world: int) -> runner.Job:
         first, last = s == 0, s == pp - 1
         pp_ranks = grid.group("pp", rank)
         fwd = stage_flops(cfg, split[s], last, B, T)
+        actions = schedule(pp, m, s)
         ops = pipeline_ops(
-            schedule(pp, m, s),
+            actions,
             s,
             pp_ranks,
             1,
@@ -328,7 +443,11 @@ def make_job(args, world: int) -> runner.Job:
         groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
         if pp > 1 and (first or last):
             groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-        ops += gradient_sync(cfg, split[s], first, last, pp, dp, args)
+        posted = []
+        if buckets and dp > 1:
+            last_mb = [a.mb for a in actions if a.kind == "B"][-1]
+            ops, posted = bucketed_backward(ops, last_mb, cfg, split[s], first, last, args)
+        ops += gradient_sync(cfg, split[s], first, last, pp, dp, args, posted)
         return Plan(rank, tuple(ops), groups, c)
 
     def label(rank: int) -> str:
@@ -368,10 +487,17 @@ def make_job(args, world: int) -> runner.Job:
         "check": args.check,
         "allreduce": args.allreduce,
         "grad_sync": args.grad_sync,
+        "bucket_mb": args.bucket_mb,
         "zero": args.zero,
         "device_tflops": args.device_tflops,
         "layers_per_stage": [len(r) for r in split],
     }
+    sync = args.grad_sync
+    if args.zero and dp > 1:
+        sync = "ZeRO-1 (reduce-scatter, allgather)"
+    elif buckets:
+        size = f"{args.bucket_mb:g} MiB" if args.bucket_mb else "one per layer"
+        sync = f"buckets ({size}) overlapping the last micro-batch's backward"
     header = [
         f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, V={cfg.vocab_size}) "
         f"· {L} layers = {cfg.num_params / 1e6:,.1f}M parameters",
@@ -380,7 +506,7 @@ def make_job(args, world: int) -> runner.Job:
         + f" · schedule {args.schedule} · {m} micro-batches of {B} x {T} tokens "
         f"(global batch {B * m * dp} samples)",
         f"messages: activation {act:,} floats ({act * 4:,} B); gradients per layer "
-        f"{cfg.layer_params:,} floats · data: "
+        f"{cfg.layer_params:,} floats · gradient sync {sync} · data: "
         + (source.describe() if source is not None else args.data)
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
