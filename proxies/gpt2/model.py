@@ -16,23 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from proxies.gpt2 import fast, kernels
 from proxies.gpt2.config import GPT2Config, layer_shapes, layout_size, stage_layout
-from proxies.gpt2.kernels import (
-    adamw_update,
-    attention_backward,
-    attention_forward,
-    classifier_backward,
-    classifier_forward,
-    encoder_backward,
-    encoder_forward,
-    gelu_backward,
-    gelu_forward,
-    layernorm_backward,
-    layernorm_forward,
-    matmul_backward,
-    matmul_forward,
-    residual_forward,
-)
+
+# The kernels a StageModel runs: the fast ones, or the reference ones (tests compare them).
+KERNELS = {"fast": fast, "plain": kernels}
 
 # One transformer layer's 12 tensors in layout order (shapes: config.layer_shapes).
 LAYER_TENSORS = tuple(layer_shapes(1))
@@ -70,6 +58,7 @@ class StageActs:
     lnf_mean: np.ndarray | None = None
     lnf_rstd: np.ndarray | None = None
     lse: np.ndarray | None = None  # (B,T) log-sum-exp of the logits
+    dlogits: np.ndarray | None = None  # (B*T,V) last stage, fast kernels within budget
     loss_scale: float = 1.0
     dres: np.ndarray | None = None  # (B,T,C) residual-stream gradient between backward pieces
     next_piece: int = 0  # the backward piece to run next
@@ -92,6 +81,7 @@ class StageModel:
         T: int,
         seed: int = 0,
         dtype=np.float32,
+        kernels: str = "fast",
     ) -> None:
         if B <= 0 or not 0 < T <= cfg.max_seq_len:
             raise ValueError(
@@ -101,6 +91,16 @@ class StageModel:
             raise ValueError(f"layers {layers} outside 0..{cfg.n_layer - 1}")
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.B, self.T, self.seed, self.dtype = B, T, seed, np.dtype(dtype)
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {sorted(KERNELS)}, got {kernels!r}")
+        self.k = KERNELS[kernels]
+        # The fast classifier leaves dlogits (B*T, V) for the backward when they fit.
+        self.save_dlogits = (
+            kernels == "fast"
+            and last
+            and B * T * cfg.vocab_size * self.dtype.itemsize <= fast.DLOGITS_BUDGET
+        )
+        self._grads_zero = True  # grads hold zeros: zero_grad() has nothing to do
         C, V = cfg.n_embd, cfg.vocab_size
 
         self.layout = stage_layout(cfg, layers, first, last)
@@ -198,6 +198,8 @@ class StageModel:
         if self.last:
             a.targets = np.empty((B, T), dtype=np.int64)
             a.lnf, a.lnf_mean, a.lnf_rstd, a.lse = e(B, T, C), e(B, T), e(B, T), e(B, T)
+            if self.save_dlogits:
+                a.dlogits = e(B * T, self.cfg.vocab_size)
         return a
 
     def _get_scratch(self) -> dict[str, np.ndarray]:
@@ -231,7 +233,7 @@ class StageModel:
         a = self._pool.pop() if self._pool else self._alloc_acts()
         if self.first:
             a.tokens[...] = x
-            encoder_forward(a.inp, a.tokens, w["wte"], w["wpe"])
+            self.k.encoder_forward(a.inp, a.tokens, w["wte"], w["wpe"])
         else:
             a.inp[...] = x
         for l, la in zip(self.layers, a.layers, strict=True):
@@ -241,24 +243,35 @@ class StageModel:
             return a.out
         a.targets[...] = targets
         a.loss_scale = float(loss_scale)
-        layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.out, w["ln_f.weight"], w["ln_f.bias"])
-        loss = classifier_forward(a.lse, a.lnf, w["wte"], a.targets)
+        self.k.layernorm_forward(
+            a.lnf, a.lnf_mean, a.lnf_rstd, a.out, w["ln_f.weight"], w["ln_f.bias"]
+        )
+        if self.save_dlogits:
+            loss = fast.classifier_forward(
+                a.lse, a.lnf, w["wte"], a.targets, a.dlogits, a.loss_scale
+            )
+        else:
+            loss = self.k.classifier_forward(a.lse, a.lnf, w["wte"], a.targets)
         self._saved[mb] = a  # only now: a forward that raised leaves nothing in flight
         return loss
 
     def _layer_forward(self, l: int, a: LayerActs) -> None:
         w, NH = self._layer_views[l], self.cfg.n_head
         proj = a.res3  # holds each branch's projection until the residual add overwrites it
-        layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w["ln_1.weight"], w["ln_1.bias"])
-        matmul_forward(a.qkv, a.ln1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])
-        attention_forward(a.atty, a.att, a.qkv, NH)
-        matmul_forward(proj, a.atty, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
-        residual_forward(a.res2, a.inp, proj)
-        layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w["ln_2.weight"], w["ln_2.bias"])
-        matmul_forward(a.fch, a.ln2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])
-        gelu_forward(a.fch_gelu, a.fch)
-        matmul_forward(proj, a.fch_gelu, w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
-        residual_forward(a.res3, a.res2, proj)
+        self.k.layernorm_forward(
+            a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w["ln_1.weight"], w["ln_1.bias"]
+        )
+        self.k.matmul_forward(a.qkv, a.ln1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])
+        self.k.attention_forward(a.atty, a.att, a.qkv, NH)
+        self.k.matmul_forward(proj, a.atty, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+        self.k.residual_forward(a.res2, a.inp, proj)
+        self.k.layernorm_forward(
+            a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w["ln_2.weight"], w["ln_2.bias"]
+        )
+        self.k.matmul_forward(a.fch, a.ln2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])
+        self.k.gelu_forward(a.fch_gelu, a.fch)
+        self.k.matmul_forward(proj, a.fch_gelu, w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
+        self.k.residual_forward(a.res3, a.res2, proj)
 
     # ------------------------------------------------------------------------------------
     # backward
@@ -289,6 +302,7 @@ class StageModel:
         they are backward(mb, dout). Piece 0 takes dout (None on the last stage). The last
         piece frees mb's saved state and returns backward's result; the others None."""
         a = self._check_piece(mb, i, dout)
+        self._grads_zero = False
         w, g = self.views, self.grad_views
         if i == 0:  # the gradient of the residual stream, carried from piece to piece
             a.dres = np.zeros((self.B, self.T, self.cfg.n_embd), dtype=self.dtype)
@@ -299,11 +313,18 @@ class StageModel:
         if name == "head":
             dlnf = self._get_scratch()["dln"]
             dlnf.fill(0)
-            classifier_backward(dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale)
+            if self.save_dlogits:
+                fast.classifier_backward_saved(dlnf, g["wte"], a.lnf, w["wte"], a.dlogits)
+            else:
+                self.k.classifier_backward(
+                    dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale
+                )
             wn, bn = "ln_f.weight", "ln_f.bias"
-            layernorm_backward(dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd)
+            self.k.layernorm_backward(
+                dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd
+            )
         elif name == "embed":
-            encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
+            self.k.encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
         else:
             self._layer_backward(self.layers[k], a.layers[k], dres)
         a.next_piece = i + 1
@@ -337,21 +358,25 @@ class StageModel:
             buf.fill(0)
         # MLP branch: dres = dL/d(res3) -> dL/d(res2)
         wn = "mlp.c_proj.weight"
-        matmul_backward(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn])
-        gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
+        self.k.matmul_backward(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn])
+        self.k.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
         wn = "mlp.c_fc.weight"
-        matmul_backward(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn])
+        self.k.matmul_backward(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn])
         wn, bn = "ln_2.weight", "ln_2.bias"
-        layernorm_backward(dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd)
+        self.k.layernorm_backward(
+            dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd
+        )
         # attention branch: dres = dL/d(res2) -> dL/d(inp)
         wn = "attn.c_proj.weight"
-        matmul_backward(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn])
-        attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH)
+        self.k.matmul_backward(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn])
+        self.k.attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH)
         s["dln"].fill(0)
         wn = "attn.c_attn.weight"
-        matmul_backward(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn])
+        self.k.matmul_backward(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn])
         wn, bn = "ln_1.weight", "ln_1.bias"
-        layernorm_backward(dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd)
+        self.k.layernorm_backward(
+            dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd
+        )
 
     def free(self, mb: int) -> None:
         """Drop mb's saved state without a backward (evaluation-only forwards)."""
@@ -361,15 +386,28 @@ class StageModel:
     # optimizer and FLOPs
 
     def zero_grad(self) -> None:
-        self.grads.fill(0)
+        """grads = 0 (nothing to do when they are still zero: a step(zero_grads=True) left
+        them so, and only backward writes into them before the caller's allreduces)."""
+        if not self._grads_zero:
+            self.grads.fill(0)
+            self._grads_zero = True
 
-    def step(self, lr: float, weight_decay: float = 0.0) -> None:
-        """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer."""
+    def step(self, lr: float, weight_decay: float = 0.0, zero_grads: bool = False) -> None:
+        """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer;
+        zero_grads: also zero the gradients (the fast kernel does it while they are in cache,
+        which saves zero_grad's pass over them)."""
         if self.m is None:
             self.m = np.zeros_like(self.params)
             self.v = np.zeros_like(self.params)
         self.t += 1
-        adamw_update(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
+        args = (self.params, self.grads, self.m, self.v, self.t, lr)
+        if self.k is fast:
+            fast.adamw_update(*args, weight_decay=weight_decay, zero_grads=zero_grads)
+        else:
+            self.k.adamw_update(*args, weight_decay=weight_decay)
+            if zero_grads:
+                self.grads.fill(0)
+        self._grads_zero = zero_grads
 
     def flops_forward(self) -> float:
         """Forward FLOPs of one micro-batch: 2 * multiply-adds of every matmul.

@@ -33,7 +33,7 @@ from proxies.gpt2.config import (
     stage_layout,
 )
 from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
-from proxies.gpt2.kernels import adamw_update
+from proxies.gpt2.fast import adamw_update
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -263,7 +263,7 @@ class GPT2Runtime:
                     self.params[sh], self.grads[sh], m, v, self.steps, self.lr, weight_decay=self.wd
                 )
             else:
-                model.step(self.lr, self.wd)
+                model.step(self.lr, self.wd, zero_grads=True)
             model.zero_grad()
         else:
             raise ValueError(f"unknown compute op {op.name}")
