@@ -171,6 +171,15 @@ def add_common(
         "yield = test and sleep 20 us..1 ms, leaving the cores to ranks with "
         "work; auto = yield when a node has more ranks than cores, else spin",
     )
+    g.add_argument(
+        "--progress",
+        choices=("thread", "test"),
+        default="thread",
+        help="how non-blocking collectives (gradient buckets) advance while the rank computes: "
+        "thread = a helper thread polls MPI every 100 us while any is pending (as a GPU's "
+        "communication stream; the default); test = only when tested between ops (MPI "
+        "without asynchronous progress moves nothing during compute)",
+    )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 

@@ -23,6 +23,8 @@ why it is the default only for oversubscribed nodes (`Waiter`).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import zlib
 from collections import defaultdict
@@ -143,6 +145,51 @@ def _pieces(buf: np.ndarray):
         yield flat[lo : lo + MAX_COUNT]
 
 
+class Progress:
+    """A helper thread that tests the pending non-blocking collectives every `interval`
+    seconds, as a GPU's communication stream or NCCL's proxy thread keeps them moving:
+    an MPI without asynchronous progress advances a posted allreduce only inside MPI calls,
+    so a rank busy computing (or sleeping, in model/replay compute) would leave it where it
+    was. It notes each one's completion time (the end of its hidden span).
+
+    MPI forbids two threads completing the same request, so the engine holds `lock` while
+    it starts, tests or waits for requests itself; the thread tests only under it. Needs
+    MPI_THREAD_MULTIPLE.
+    """
+
+    def __init__(self, MPI, pending: dict, interval: float = 1e-4):
+        self.MPI, self.pending, self.interval = MPI, pending, interval
+        self.lock = threading.Lock()
+        self.active = threading.Event()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="proxies-mpi-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        Testall, Wtime = self.MPI.Request.Testall, self.MPI.Wtime
+        while True:
+            self.active.wait()
+            with self.lock:
+                if self.closed:
+                    return
+                waiting = [e for e in self.pending.values() if e[5] is None]
+                for entry in waiting:
+                    if Testall(entry[2]):
+                        entry[5] = Wtime()
+                if not waiting:
+                    self.active.clear()  # until the engine posts another
+            time.sleep(self.interval)
+
+    def resume(self) -> None:
+        self.active.set()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        self.active.set()
+        self.thread.join()
+
+
 class Engine:
     def __init__(
         self,
@@ -159,6 +206,7 @@ class Engine:
         fault: str = "",
         wait: str = "spin",
         allreduce: str = "mpi",
+        progress: str = "thread",
     ):
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
@@ -173,6 +221,17 @@ class Engine:
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
         self.allreduce = allreduce  # algorithm name, see proxies.collectives
+        # "thread": a Progress thread while non-blocking collectives are pending; "test":
+        # they advance only when the engine tests them between ops.
+        multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.progress_mode = progress if multiple else "test"
+        self.progress: Progress | None = None
+
+    def close(self) -> None:
+        """Stop the progress thread (before MPI_Finalize)."""
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, op: Compute) -> None:
@@ -325,10 +384,19 @@ class Engine:
         """Start a non-blocking collective; it completes at Wait(op.req)."""
         if op.req in self.pending:
             raise CheckError(f"request {op.req!r} started twice")
-        t0 = self.MPI.Wtime()
-        buf, reqs, state = self._start(op, blocking=False)
-        t.seconds[op.category] += self.MPI.Wtime() - t0  # issuing it is exposed time
-        self.pending[op.req] = [op, buf, reqs, state, t0, None]
+        if self.progress_mode == "thread" and self.progress is None:
+            self.progress = Progress(self.MPI, self.pending)
+        with self._lock():
+            t0 = self.MPI.Wtime()
+            buf, reqs, state = self._start(op, blocking=False)
+            t.seconds[op.category] += self.MPI.Wtime() - t0  # issuing it is exposed time
+            self.pending[op.req] = [op, buf, reqs, state, t0, None]
+        if self.progress is not None:
+            self.progress.resume()
+
+    def _lock(self):
+        """The progress thread's lock, or a no-op without one."""
+        return self.progress.lock if self.progress is not None else contextlib.nullcontext()
 
     def _progress(self, t: IterationTimes) -> None:
         """Test pending requests: drives MPI progress between ops and notes completion.
@@ -336,6 +404,8 @@ class Engine:
         Without a progress thread, MPI moves a non-blocking collective's data inside these
         tests, so their time is the collective's exposed time (this rank was not computing).
         """
+        if self.progress is not None:
+            return  # the thread tests them
         Wtime = self.MPI.Wtime
         for entry in self.pending.values():
             if entry[5] is None:
@@ -350,10 +420,11 @@ class Engine:
         MPI = self.MPI
         if op.req not in self.pending:
             raise CheckError(f"wait for {op.req!r}, which was never started")
-        coll, buf, reqs, state, started, done = self.pending.pop(op.req)
-        t0 = MPI.Wtime()
-        self.waiter.waitall(reqs)
-        t1 = MPI.Wtime()
+        with self._lock():
+            coll, buf, reqs, state, started, done = self.pending.pop(op.req)
+            t0 = MPI.Wtime()
+            self.waiter.waitall(reqs)
+            t1 = MPI.Wtime()
         # Exposed: the time blocked here. Hidden: from the start until it was seen complete
         # (or until this wait began), while this rank did other work.
         t.seconds[coll.category] += t1 - t0

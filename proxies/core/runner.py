@@ -274,6 +274,7 @@ def run(job: Job, args, MPI) -> int:
         fault=fault,
         wait=wait,
         allreduce=args.allreduce,
+        progress=args.progress,
     )
 
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
@@ -288,6 +289,8 @@ def run(job: Job, args, MPI) -> int:
         losses[it] = runtime.finish_iteration(it)
         if it >= args.warmup:
             timed.append(t)
+    engine.close()
+    job.config["progress"] = engine.progress_mode
     watchdog.beat("collecting results")
     split_collective_waits(MPI, comms, timed)
     for t in timed:

@@ -20,9 +20,10 @@ kernels bit for bit) with the same signatures, so StageModel can take either:
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -45,8 +46,9 @@ BLOCK = 1 << 16
 # recomputes the logits chunk by chunk (one more matmul, no B*T*V buffer).
 DLOGITS_BUDGET = 1 << 28
 
-# Rows of dW computed per temporary in accumulating matmuls: 1 MiB of float32 at C = 768.
-_DW_ELEMS = 1 << 18
+# Elements of the temporary through which weight gradients accumulate: 16 MiB of float32,
+# a whole layer weight of GPT-2 XL (6400 x 1600); the LM head's V x C goes in row blocks.
+_DW_ELEMS = 1 << 22
 
 
 # ----------------------------------------------------------------------------------------
@@ -106,9 +108,16 @@ def gelu_forward(out: np.ndarray, inp: np.ndarray) -> None:
     blocked(lambda i, j: ref.gelu_forward(o[i:j], x[i:j]), x.size, BLOCK)
 
 
-def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray) -> None:
+def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray, fresh: bool = False) -> None:
+    """As the reference; fresh: dinp is written, not added to."""
     d, x, g = dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1)
-    blocked(lambda i, j: ref.gelu_backward(d[i:j], x[i:j], g[i:j]), x.size, BLOCK)
+
+    def block(i: int, j: int) -> None:
+        if fresh:
+            d[i:j].fill(0)  # in cache: cheaper than a pass over the whole array
+        ref.gelu_backward(d[i:j], x[i:j], g[i:j])
+
+    blocked(block, x.size, BLOCK)
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias) -> None:
@@ -121,8 +130,9 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias) -> None:
     )
 
 
-def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
-    """As the reference; dweight and dbias are summed per worker, then added once."""
+def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh=False) -> None:
+    """As the reference; dweight and dbias are summed per worker, then added once (fresh:
+    written)."""
     C = inp.shape[-1]
     d, g, x = dinp.reshape(-1, C), dout.reshape(-1, C), inp.reshape(-1, C)
     mu, rs = mean.reshape(-1), rstd.reshape(-1)
@@ -137,66 +147,137 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> N
 
     parallel(run, x.shape[0], _rows(x))
     total = partial[0] if len(partial) == 1 else sum(partial)
-    dweight += total[0]
-    dbias += total[1]
+    if fresh:
+        dweight[...] = total[0]
+        dbias[...] = total[1]
+    else:
+        dweight += total[0]
+        dbias += total[1]
 
 
 # ----------------------------------------------------------------------------------------
 # matmul
 
 
-def _add_at_b(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """out (M,N) += a.T (M,K) @ b (K,N), a few rows of out at a time: the temporary stays
-    in cache and is never the size of out."""
-    M, N = out.shape
-    rows = max(1, _DW_ELEMS // N)
-    if rows >= M:
-        out += a.T @ b
+_temps: dict[tuple, np.ndarray] = {}
+
+
+def _temp(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A scratch array kept for reuse (calling thread only): a fresh allocation this large
+    is page-faulted in again on every call."""
+    key = (shape, np.dtype(dtype).str)
+    buf = _temps.get(key)
+    if buf is None:
+        buf = _temps[key] = np.empty(shape, dtype=dtype)
+    return buf
+
+
+def _add_at_b(out: np.ndarray, a: np.ndarray, b: np.ndarray, fresh: bool = False) -> None:
+    """out (M,N) += a.T (M,K) @ b (K,N); fresh: out = a.T @ b (out holds zeros or junk).
+
+    One matmul into a kept temporary, then one add; beyond _DW_ELEMS elements (the LM
+    head's V x C) in blocks of rows, so the temporary stays that small."""
+    if fresh:
+        np.matmul(a.T, b, out=out)
         return
-
-    def run(lo: int, hi: int) -> None:
-        tmp = np.empty((min(rows, hi - lo), N), dtype=out.dtype)
-        for i in range(lo, hi, rows):
-            j = min(i + rows, hi)
-            np.matmul(a[:, i:j].T, b, out=tmp[: j - i])
-            out[i:j] += tmp[: j - i]
-
-    run(0, M)  # BLAS threads already share each block's matmul
+    M, N = out.shape
+    rows = max(1, min(M, _DW_ELEMS // N))
+    tmp = _temp((rows, N), out.dtype)
+    for i in range(0, M, rows):
+        j = min(i + rows, M)
+        np.matmul(a[:, i:j].T, b, out=tmp[: j - i])
+        out[i:j] += tmp[: j - i]
 
 
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight) -> None:
-    """As the reference; dweight accumulates through row blocks (_add_at_b)."""
+def matmul_backward(
+    dinp, dweight, dbias, dout, inp, weight, dinp_fresh: bool = False, fresh: bool = False
+) -> None:
+    """As the reference; dinp_fresh: dinp is written, not added to; fresh: so are dweight
+    and dbias (the caller knows they hold zeros: the result is the same, one pass less)."""
     OC, C = weight.shape
     dout2 = dout.reshape(-1, OC)
     if dinp is not None:
         d = dinp.reshape(-1, C)
-        d += dout2 @ weight
-    _add_at_b(dweight, dout2, inp.reshape(-1, C))
+        if dinp_fresh:
+            np.matmul(dout2, weight, out=d)
+        else:
+            d += dout2 @ weight
+    _add_at_b(dweight, dout2, inp.reshape(-1, C), fresh)
     if dbias is not None:
-        dbias += dout2.sum(axis=0)
+        if fresh:
+            np.sum(dout2, axis=0, out=dbias)
+        else:
+            dbias += dout2.sum(axis=0)
 
 
 # ----------------------------------------------------------------------------------------
-# attention: the reference per group of (batch, head) slices
+# attention: the batched matmuls on the calling thread (BLAS threads share them), the
+# softmax and its backward over blocks of score rows on the workers. Worker threads never
+# call BLAS: concurrent calls into a threaded OpenBLAS serialize and oversubscribe cores.
+
+
+@lru_cache(maxsize=8)
+def _causal_bias(T: int, dtype: str) -> np.ndarray:
+    """(T,T): 0 where a query may see the key, -inf where the key is in its future."""
+    return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, 0.0).astype(dtype)
+
+
+def _qkv(inp: np.ndarray, NH: int):
+    """q, k, v as (B,NH,T,hs) strided views of inp (B,T,3C); and hs."""
+    B, T, C3 = inp.shape
+    hs = C3 // 3 // NH
+    q, k, v = inp.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
+    return q, k, v, hs
 
 
 def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int) -> None:
-    """As the reference, one batch row at a time (its T x T scores stay in cache), rows
-    shared by workers."""
-    blocked(
-        lambda i, j: ref.attention_forward(out[i:j], att[i:j], inp[i:j], NH), inp.shape[0], 1, 1
-    )
+    """As the reference: att (B,NH,T,T) the saved softmax, out (B,T,C). The 1/sqrt(hs)
+    scale goes on q (T x hs per head, not T x T); the causal mask is added; each row is
+    scaled by its sum's reciprocal."""
+    B, T, _ = inp.shape
+    q, k, v, hs = _qkv(inp, NH)
+    np.matmul(q * (1.0 / math.sqrt(hs)), k.swapaxes(-1, -2), out=att)
+    bias = _causal_bias(T, inp.dtype.str)
+    rows = att.reshape(-1, T, T)
+
+    def softmax(i: int, j: int) -> None:
+        a = rows[i:j]
+        a += bias
+        a -= a.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
+        np.exp(a, out=a)
+        s = a.sum(axis=-1, keepdims=True)
+        np.divide(1.0, s, out=s)
+        a *= s
+
+    blocked(softmax, rows.shape[0], max(1, BLOCK // (T * T)), max(1, 4 * BLOCK // (T * T)))
+    np.matmul(att, v, out=out.reshape(B, T, NH, hs).transpose(0, 2, 1, 3))
 
 
 def attention_backward(
     dinp: np.ndarray, dout: np.ndarray, inp: np.ndarray, att: np.ndarray, NH: int
 ) -> None:
+    """As the reference; the scale goes on the T x hs operands, and the softmax backward
+    runs over blocks of score rows on the workers."""
+    B, T, _ = inp.shape
+    q, k, v, hs = _qkv(inp, NH)
+    dq, dk, dv = dinp.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
+    do = dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    dv += att.swapaxes(-1, -2) @ do
+    datt = do @ v.swapaxes(-1, -2)
+    a_rows, d_rows = att.reshape(-1, T, T), datt.reshape(-1, T, T)
+
+    def softmax_backward(i: int, j: int) -> None:
+        # dpreatt = att * (datt - sum(att * datt)); masked entries have att = 0
+        a, d = a_rows[i:j], d_rows[i:j]
+        d -= np.einsum("gij,gij->gi", a, d)[..., None]
+        d *= a
+
     blocked(
-        lambda i, j: ref.attention_backward(dinp[i:j], dout[i:j], inp[i:j], att[i:j], NH),
-        inp.shape[0],
-        1,
-        1,
+        softmax_backward, d_rows.shape[0], max(1, BLOCK // (T * T)), max(1, 4 * BLOCK // (T * T))
     )
+    scale = 1.0 / math.sqrt(hs)
+    dq += datt @ (k * scale)
+    dk += datt.swapaxes(-1, -2) @ (q * scale)
 
 
 # ----------------------------------------------------------------------------------------
@@ -249,14 +330,23 @@ def classifier_forward(
 
 
 def classifier_backward_saved(
-    dinp: np.ndarray, dwte: np.ndarray, inp: np.ndarray, wte: np.ndarray, dlogits: np.ndarray
+    dinp: np.ndarray,
+    dwte: np.ndarray,
+    inp: np.ndarray,
+    wte: np.ndarray,
+    dlogits: np.ndarray,
+    dinp_fresh: bool = False,
+    fresh: bool = False,
 ) -> None:
     """dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp, dlogits (B*T, V)
-    left by classifier_forward."""
+    left by classifier_forward; dinp_fresh, fresh: dinp, dwte written (as matmul_backward)."""
     V, C = wte.shape
     d = dinp.reshape(-1, C)
-    d += dlogits @ wte
-    _add_at_b(dwte, dlogits, inp.reshape(-1, C))
+    if dinp_fresh:
+        np.matmul(dlogits, wte, out=d)
+    else:
+        d += dlogits @ wte
+    _add_at_b(dwte, dlogits, inp.reshape(-1, C), fresh)
 
 
 def classifier_backward(

@@ -62,6 +62,7 @@ class StageActs:
     loss_scale: float = 1.0
     dres: np.ndarray | None = None  # (B,T,C) residual-stream gradient between backward pieces
     next_piece: int = 0  # the backward piece to run next
+    fresh: bool = False  # its backward writes the gradients instead of adding to them
     out: np.ndarray = field(init=False)  # (B,T,C) stage output, a view of the last buffer
 
     def __post_init__(self) -> None:
@@ -100,7 +101,9 @@ class StageModel:
             and last
             and B * T * cfg.vocab_size * self.dtype.itemsize <= fast.DLOGITS_BUDGET
         )
-        self._grads_zero = True  # grads hold zeros: zero_grad() has nothing to do
+        # Fast kernels: the next backward writes every gradient instead of adding to it, so
+        # zero_grad() need not pass over them (reference kernels: zero_grad() fills zeros).
+        self._overwrite = self.k is fast
         C, V = cfg.n_embd, cfg.vocab_size
 
         self.layout = stage_layout(cfg, layers, first, last)
@@ -302,9 +305,9 @@ class StageModel:
         they are backward(mb, dout). Piece 0 takes dout (None on the last stage). The last
         piece frees mb's saved state and returns backward's result; the others None."""
         a = self._check_piece(mb, i, dout)
-        self._grads_zero = False
         w, g = self.views, self.grad_views
         if i == 0:  # the gradient of the residual stream, carried from piece to piece
+            a.fresh, self._overwrite = self._overwrite, False
             a.dres = np.zeros((self.B, self.T, self.cfg.n_embd), dtype=self.dtype)
             if not self.last:
                 a.dres[...] = dout
@@ -312,21 +315,29 @@ class StageModel:
         name, k = self._pieces[i]
         if name == "head":
             dlnf = self._get_scratch()["dln"]
-            dlnf.fill(0)
             if self.save_dlogits:
-                fast.classifier_backward_saved(dlnf, g["wte"], a.lnf, w["wte"], a.dlogits)
+                fast.classifier_backward_saved(
+                    dlnf, g["wte"], a.lnf, w["wte"], a.dlogits, dinp_fresh=True, fresh=a.fresh
+                )
             else:
+                dlnf.fill(0)
+                if a.fresh:
+                    g["wte"].fill(0)
                 self.k.classifier_backward(
                     dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale
                 )
             wn, bn = "ln_f.weight", "ln_f.bias"
-            self.k.layernorm_backward(
-                dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd
+            self._layernorm_backward(
+                dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd, a.fresh
             )
         elif name == "embed":
+            if a.fresh:  # the head wrote wte's gradient already on a single stage
+                g["wpe"].fill(0)
+                if not self.last:
+                    g["wte"].fill(0)
             self.k.encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
         else:
-            self._layer_backward(self.layers[k], a.layers[k], dres)
+            self._layer_backward(self.layers[k], a.layers[k], dres, a.fresh)
         a.next_piece = i + 1
         if a.next_piece < len(self._pieces):
             return None
@@ -345,38 +356,57 @@ class StageModel:
             _expect("gradient", dout, (self.B, self.T, self.cfg.n_embd))
         return a
 
-    def _layer_backward(self, l: int, a: LayerActs, dres: np.ndarray) -> None:
-        """dres holds dL/d(res3) on entry and dL/d(inp) on exit.
+    def _layer_backward(self, l: int, a: LayerActs, dres: np.ndarray, fresh: bool) -> None:
+        """dres holds dL/d(res3) on entry and dL/d(inp) on exit; fresh: the layer's
+        gradients hold zeros (written instead of added to).
 
         A residual add passes its gradient unchanged to both branches, so dres itself is
         each branch's dout and the branch's layernorm_backward adds into it: residual_backward
         without the copies.
         """
         w, g, NH = self._layer_views[l], self._layer_grads[l], self.cfg.n_head
-        s = self._get_scratch()
-        for buf in s.values():
-            buf.fill(0)
+        s, mm = self._get_scratch(), self._matmul_backward
         # MLP branch: dres = dL/d(res3) -> dL/d(res2)
         wn = "mlp.c_proj.weight"
-        self.k.matmul_backward(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn])
-        self.k.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
+        mm(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn], fresh)
+        if self.k is fast:
+            fast.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"], fresh=True)
+        else:
+            s["dfch"].fill(0)
+            kernels.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
         wn = "mlp.c_fc.weight"
-        self.k.matmul_backward(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn])
+        mm(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn], fresh)
         wn, bn = "ln_2.weight", "ln_2.bias"
-        self.k.layernorm_backward(
-            dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd
+        self._layernorm_backward(
+            dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd, fresh
         )
         # attention branch: dres = dL/d(res2) -> dL/d(inp)
         wn = "attn.c_proj.weight"
-        self.k.matmul_backward(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn])
+        mm(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn], fresh)
+        s["dqkv"].fill(0)
         self.k.attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH)
-        s["dln"].fill(0)
         wn = "attn.c_attn.weight"
-        self.k.matmul_backward(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn])
+        mm(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn], fresh)
         wn, bn = "ln_1.weight", "ln_1.bias"
-        self.k.layernorm_backward(
-            dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd
+        self._layernorm_backward(
+            dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd, fresh
         )
+
+    def _layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh):
+        """dinp accumulated; dweight, dbias too, or written when `fresh`."""
+        if self.k is fast:
+            fast.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh)
+        else:
+            kernels.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+
+    def _matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, fresh: bool) -> None:
+        """dinp (scratch) written; dweight, dbias accumulated, or written when `fresh` (this
+        micro-batch is the first since zero_grad: see _overwrite)."""
+        if self.k is fast:
+            fast.matmul_backward(dinp, dweight, dbias, dout, inp, weight, True, fresh)
+        else:
+            dinp.fill(0)
+            kernels.matmul_backward(dinp, dweight, dbias, dout, inp, weight)
 
     def free(self, mb: int) -> None:
         """Drop mb's saved state without a backward (evaluation-only forwards)."""
@@ -386,28 +416,25 @@ class StageModel:
     # optimizer and FLOPs
 
     def zero_grad(self) -> None:
-        """grads = 0 (nothing to do when they are still zero: a step(zero_grads=True) left
-        them so, and only backward writes into them before the caller's allreduces)."""
-        if not self._grads_zero:
+        """Gradients to zero. With the fast kernels no pass over them: the next backward
+        writes them instead of adding to them (they read as stale values until it runs;
+        only backward writes into grads before the caller's allreduces)."""
+        if self.k is fast:
+            self._overwrite = True
+        else:
             self.grads.fill(0)
-            self._grads_zero = True
 
     def step(self, lr: float, weight_decay: float = 0.0, zero_grads: bool = False) -> None:
         """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer;
-        zero_grads: also zero the gradients (the fast kernel does it while they are in cache,
-        which saves zero_grad's pass over them)."""
+        zero_grads: then zero_grad()."""
         if self.m is None:
             self.m = np.zeros_like(self.params)
             self.v = np.zeros_like(self.params)
         self.t += 1
         args = (self.params, self.grads, self.m, self.v, self.t, lr)
-        if self.k is fast:
-            fast.adamw_update(*args, weight_decay=weight_decay, zero_grads=zero_grads)
-        else:
-            self.k.adamw_update(*args, weight_decay=weight_decay)
-            if zero_grads:
-                self.grads.fill(0)
-        self._grads_zero = zero_grads
+        self.k.adamw_update(*args, weight_decay=weight_decay)
+        if zero_grads:
+            self.zero_grad()
 
     def flops_forward(self) -> float:
         """Forward FLOPs of one micro-batch: 2 * multiply-adds of every matmul.
