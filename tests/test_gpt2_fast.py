@@ -3,7 +3,8 @@
 The reference kernels are checked against finite differences (test_gpt2_kernels.py); here
 every fast kernel must agree with its reference to 1e-5 relative (of the largest value),
 with blocks small enough that every kernel really runs in several blocks on two threads.
-Elementwise kernels and AdamW are blocked row-wise without changing any sum: bit for bit.
+GELU and layernorm are blocked row-wise without changing any per-row result: bit for bit.
+AdamW folds its bias corrections into two scalars: equal to the last bits.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def test_classifier(chunk):
     close("classifier dwte (saved dlogits)", dw, a[1])
 
 
-def test_adamw_bit_for_bit_and_zeroes_grads():
+def test_adamw_and_zeroing_grads():
     n = 1000
     p, g, m, v = r(n, seed=1), r(n, seed=2), r(n, seed=3, scale=0.1), r(n, seed=4) ** 2
     for t in (1, 7):
@@ -148,7 +149,7 @@ def test_adamw_bit_for_bit_and_zeroes_grads():
             v,
         )
         for name, got, want in zip("pgmv", b, a, strict=True):
-            close(f"adamw {name}", got, want, exact=True)
+            close(f"adamw {name}", got, want, exact=name == "g")
     g2 = g.copy()
     F.adamw_update(p.copy(), g2, m.copy(), v.copy(), 1, 1e-3, zero_grads=True)
     assert not g2.any()
@@ -207,7 +208,7 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
             got.append(model.grads.copy())
         # AdamW turns rounding noise in a gradient that is 0 in exact arithmetic (the key
         # bias: softmax ignores a shift of the scores) into a full +-lr step, so both models
-        # step from the same gradients (the optimizer is tested bit for bit above).
+        # step from the same gradients (the optimizer is tested on its own above).
         models["fast"].grads[...] = models["plain"].grads
         for k, model in models.items():
             model.step(1e-3, 0.1, zero_grads=True)

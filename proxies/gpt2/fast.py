@@ -14,8 +14,8 @@ kernels bit for bit) with the same signatures, so StageModel can take either:
 - The classifier can leave dlogits behind in its forward (llm.c's fused classifier), so
   the backward does not recompute the (B*T, V) logits: one of the LM head's three big
   matmuls fewer.
-- AdamW zeroes the gradients it consumed while they are still in cache (optional), which
-  replaces a separate pass over the whole gradient buffer.
+- AdamW makes one pass over memory in cache-sized blocks (optionally zeroing the
+  gradients it consumed while they are in cache).
 """
 
 from __future__ import annotations
@@ -395,13 +395,36 @@ def adamw_update(
     weight_decay: float = 0.0,
     zero_grads: bool = False,
 ) -> None:
-    """The reference AdamW, block by block (bit for bit the same); zero_grads: also set
-    grads to 0 once consumed (the next step's accumulation starts from there)."""
+    """The reference AdamW, block by block in one pass over memory, in 12 array operations
+    a block instead of 14: m += (1-b1)(g - m), v += (1-b2)(g^2 - v), and the bias
+    corrections folded into two scalars, p -= lr sqrt(bc2)/bc1 * m / (sqrt(v) + eps
+    sqrt(bc2)) (the same value; rounding differs in the last bits). zero_grads: also set
+    grads to 0 once consumed."""
+    lr, weight_decay = float(lr), float(weight_decay)  # NumPy float64 scalars would upcast
+    bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+    step, eps_t = lr / bc1 * math.sqrt(bc2), eps * math.sqrt(bc2)
+    decay = 1.0 - lr * weight_decay
 
-    def block(i: int, j: int) -> None:
-        ref.adamw_update(params[i:j], grads[i:j], m[i:j], v[i:j], t, lr, beta1, beta2, eps,
-                         weight_decay)  # fmt: skip
-        if zero_grads:
-            grads[i:j].fill(0)
+    def run(lo: int, hi: int) -> None:
+        tmp = np.empty(min(BLOCK, hi - lo), dtype=params.dtype)  # this worker's temporary
+        for i in range(lo, hi, BLOCK):
+            j = min(i + BLOCK, hi)
+            p, g, mm, vv, tt = params[i:j], grads[i:j], m[i:j], v[i:j], tmp[: j - i]
+            np.subtract(g, mm, out=tt)
+            tt *= 1.0 - beta1
+            mm += tt
+            np.multiply(g, g, out=tt)
+            tt -= vv
+            tt *= 1.0 - beta2
+            vv += tt
+            np.sqrt(vv, out=tt)
+            tt += eps_t
+            np.divide(mm, tt, out=tt)
+            tt *= step
+            if weight_decay:
+                p *= decay  # decoupled decay of the pre-update params
+            p -= tt
+            if zero_grads:
+                g.fill(0)
 
-    blocked(block, params.size, BLOCK)
+    parallel(run, params.size, BLOCK)
