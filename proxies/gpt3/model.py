@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from proxies.gpt2.config import layer_shapes
-from proxies.gpt2.kernels import (
+from proxies.gpt2.fast import (
     CLASSIFIER_CHUNK,
     adamw_update,
     attention_backward,

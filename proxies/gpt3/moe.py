@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.gpt2.kernels import gelu_backward, gelu_forward, matmul_backward, matmul_forward
+from proxies.gpt2.fast import gelu_backward, gelu_forward, matmul_backward, matmul_forward
 from proxies.gpt3.config import Chunk
 
 
