@@ -34,6 +34,7 @@ def test_quick_start_run():
 
 SECTIONS = (
     "Examples",
+    "Performance of the real compute",
     "GPT-3 proxy",
     "CosmoFlow proxy",
     "DLRM proxy",
@@ -51,6 +52,8 @@ def marker(argv: list[str]) -> str:
         return "plan valid"
     if "proxies.collectives" in argv or "collectives" in argv:
         return "# average busbw"
+    if any(a.endswith("gpt2_step.py") for a in argv) or "proxies.gpt2.bench" in argv:
+        return "ms/step median"
     return "time per iteration"
 
 

@@ -16,8 +16,8 @@ Reported per shape:
 - model FLOPs per step = 3 * StageModel.flops_forward() (backward = 2 x forward): per token
   6 * N_mm + 12 * L * T * C, with N_mm = 12 L C^2 + V C the matmul parameters (the tied LM
   head counted once; biases, layernorms, wpe not) and attention's QK^T and AV counted over
-  the full T x T square, as computed. Not counted: layernorm, GELU, softmax, AdamW, and the
-  logits the fused classifier recomputes in backward.
+  the full T x T square, as computed. Not counted: layernorm, GELU, softmax, AdamW (and the
+  logits the classifier recomputes in backward when its dlogits exceed fast.DLOGITS_BUDGET).
 - matmul rate: np.matmul on the step's own GEMMs (forward, input-gradient and
   weight-gradient of qkv, proj, fc, fcproj and of the LM head in its chunks of
   kernels.CLASSIFIER_CHUNK // V rows; attention's batched QK^T and AV), each at its best
