@@ -109,3 +109,17 @@ def test_memory_child_imports_no_torch():
     assert r.returncode == 0, r.stderr
     mem = json.loads(r.stdout)
     assert mem["torch_loaded"] is False and mem["peak_rss_mb"] > mem["state_mb"] > 0
+
+
+def test_torch_default_adamw_trains_the_same(tmp_path):
+    """--torch-adamw default: PyTorch's AdamW without flags; the same losses."""
+    pytest.importorskip("torch")
+    out = tmp_path / "bench.json"
+    r = run_bench(
+        *TINY, "--shapes", "1x8", "--torch", "--torch-adamw", "default", "--json", str(out)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert got["config"]["torch_adamw"] == "default"
+    x = got["results"][0]
+    assert x["loss_rel_diff"] <= bench.LOSS_TOL and x["loss_rel_diff_last"] <= bench.LOSS_TOL_LAST

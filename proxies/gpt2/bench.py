@@ -115,6 +115,14 @@ def parser() -> cli.Parser:
         help="also run the same model in PyTorch eager, alternating steps, and check that "
         "losses and gradients agree",
     )
+    p.add_argument(
+        "--torch-adamw",
+        choices=("fused", "default"),
+        default="fused",
+        help="PyTorch's AdamW: fused (its fastest CPU loop; the default, the stricter "
+        "comparison) or default (torch.optim.AdamW with no flags: on the CPU, a loop of "
+        "tensor operations per parameter)",
+    )
     p.add_argument("--json", metavar="PATH", help="write all results as one JSON object to PATH")
     p.add_argument(
         "--seed", type=cli.nonneg_int, default=0, help="seed of weights and tokens (default 0)"
@@ -378,7 +386,7 @@ def run_shape(args, cfg: GPT2Config, B: int, T: int, torch) -> dict:
     from proxies.gpt2.torch_ref import GPT2, adamw
 
     ref = GPT2.from_stage(m)
-    opt = adamw(ref, LR)
+    opt = adamw(ref, LR, fused=args.torch_adamw == "fused")
     tdata = [tuple(torch.from_numpy(a.astype(np.int64)) for a in xy) for xy in data]
     theirs = Steps()
 
@@ -578,7 +586,12 @@ def run(args) -> int:
         f"machine: {machine['cpu']} · {machine['cores']} cores · numpy {machine['numpy']} "
         f"({machine['blas']}) · BLAS threads {machine['blas_threads']} "
         f"({machine['blas_threads_source']})"
-        + (f" · torch {machine['torch']}, {machine['torch_threads']} threads" if torch else ""),
+        + (
+            f" · torch {machine['torch']}, {machine['torch_threads']} threads, "
+            f"{args.torch_adamw} AdamW"
+            if torch
+            else ""
+        ),
         f"model FLOPs per step = 3 x forward = 6 N_mm + 12 L T C per token (N_mm = 12 L C^2 + "
         f"V C = {N_mm / 1e6:,.1f}M matmul parameters, tied head once; attention over the full "
         "T x T square); MFU = model FLOP/s / matmul rate, np.matmul on the step's own GEMMs, "
@@ -616,6 +629,7 @@ def run(args) -> int:
                 "seed": args.seed,
                 "lr": LR,
                 "torch": args.torch,
+                "torch_adamw": args.torch_adamw if args.torch else None,
             },
             "machine": machine,
             "flops_definition": header[2],

@@ -78,10 +78,12 @@ def _attr(name: str) -> str:
     return name.replace(".", "_")
 
 
-def adamw(model: GPT2, lr: float) -> torch.optim.Optimizer:
+def adamw(model: GPT2, lr: float, fused: bool = True) -> torch.optim.Optimizer:
     """AdamW as StageModel.step: beta1 0.9, beta2 0.999, eps 1e-8, no weight decay.
 
-    fused=True: one C++ loop over every tensor, PyTorch's fastest CPU AdamW."""
+    fused=True: one C++ loop over every tensor, PyTorch's fastest CPU AdamW; False: what
+    torch.optim.AdamW gives without flags (on the CPU a per-tensor loop of tensor ops)."""
+    kwargs = {"fused": True} if fused else {}
     return torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
+        model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **kwargs
     )
