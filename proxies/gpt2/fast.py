@@ -14,8 +14,7 @@ kernels bit for bit) with the same signatures, so StageModel can take either:
 - The classifier can leave dlogits behind in its forward (llm.c's fused classifier), so
   the backward does not recompute the (B*T, V) logits: one of the LM head's three big
   matmuls fewer.
-- AdamW makes one pass over memory in cache-sized blocks (optionally zeroing the
-  gradients it consumed while they are in cache).
+- AdamW makes one pass over memory in cache-sized blocks.
 """
 
 from __future__ import annotations
@@ -393,13 +392,11 @@ def adamw_update(
     beta2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    zero_grads: bool = False,
 ) -> None:
     """The reference AdamW, block by block in one pass over memory, in 12 array operations
     a block instead of 14: m += (1-b1)(g - m), v += (1-b2)(g^2 - v), and the bias
     corrections folded into two scalars, p -= lr sqrt(bc2)/bc1 * m / (sqrt(v) + eps
-    sqrt(bc2)) (the same value; rounding differs in the last bits). zero_grads: also set
-    grads to 0 once consumed."""
+    sqrt(bc2)) (the same value; rounding differs in the last bits)."""
     lr, weight_decay = float(lr), float(weight_decay)  # NumPy float64 scalars would upcast
     bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
     step, eps_t = lr / bc1 * math.sqrt(bc2), eps * math.sqrt(bc2)
@@ -424,7 +421,5 @@ def adamw_update(
             if weight_decay:
                 p *= decay  # decoupled decay of the pre-update params
             p -= tt
-            if zero_grads:
-                g.fill(0)
 
     parallel(run, params.size, BLOCK)

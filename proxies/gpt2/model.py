@@ -424,17 +424,14 @@ class StageModel:
         else:
             self.grads.fill(0)
 
-    def step(self, lr: float, weight_decay: float = 0.0, zero_grads: bool = False) -> None:
-        """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer;
-        zero_grads: then zero_grad()."""
+    def step(self, lr: float, weight_decay: float = 0.0) -> None:
+        """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer."""
         if self.m is None:
             self.m = np.zeros_like(self.params)
             self.v = np.zeros_like(self.params)
         self.t += 1
         args = (self.params, self.grads, self.m, self.v, self.t, lr)
         self.k.adamw_update(*args, weight_decay=weight_decay)
-        if zero_grads:
-            self.zero_grad()
 
     def flops_forward(self) -> float:
         """Forward FLOPs of one micro-batch: 2 * multiply-adds of every matmul.

@@ -263,7 +263,7 @@ class GPT2Runtime:
                     self.params[sh], self.grads[sh], m, v, self.steps, self.lr, weight_decay=self.wd
                 )
             else:
-                model.step(self.lr, self.wd, zero_grads=True)
+                model.step(self.lr, self.wd)
             model.zero_grad()
         else:
             raise ValueError(f"unknown compute op {op.name}")
