@@ -3,8 +3,9 @@
 The reference kernels are checked against finite differences (test_gpt2_kernels.py); here
 every fast kernel must agree with its reference to 1e-5 relative (of the largest value),
 with blocks small enough that every kernel really runs in several blocks on two threads.
-GELU and layernorm are blocked row-wise without changing any per-row result: bit for bit.
-AdamW folds its bias corrections into two scalars: equal to the last bits.
+Layernorm is blocked row-wise without changing any per-row result: bit for bit.
+AdamW keeps its moments scaled and folds its bias corrections into two scalars: equal
+to the last bits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ RTOL = 1e-5
 def small_blocks(monkeypatch):
     monkeypatch.setenv("PROXIES_KERNEL_THREADS", "2")
     monkeypatch.setattr(F, "BLOCK", 96)  # several blocks of a few rows each
+    monkeypatch.setattr(F, "ADAMW_BLOCK", 96)
     monkeypatch.setattr(F, "_DW_ELEMS", 3 * C)  # dW through 3-row temporaries
 
 
@@ -51,12 +53,18 @@ def both(fn, *arrays):
     return out
 
 
-def test_gelu_bit_for_bit():
+def test_gelu():
     x, d = r(B, T, 4 * C, seed=1), r(B, T, 4 * C, seed=2)
+    x[0, 0, :4] = (-12.0, 12.0, 0.0, -0.0)  # tanh saturated both ways, and zero
     (_, a), (_, b) = both(lambda M, o, x: M.gelu_forward(o, x), np.empty_like(x), x)
-    close("gelu", b[0], a[0], exact=True)
+    close("gelu", b[0], a[0])
     (_, a), (_, b) = both(lambda M, g, x, d: M.gelu_backward(g, x, d), r(*x.shape, seed=3), x, d)
-    close("dgelu", b[0], a[0], exact=True)
+    close("dgelu (added)", b[0], a[0])
+    fresh = np.full_like(x, np.nan)
+    F.gelu_backward(fresh, x, d, fresh=True)
+    want = np.zeros_like(x)
+    K.gelu_backward(want, x, d)
+    close("dgelu (written)", fresh, want)
 
 
 def test_layernorm():
@@ -130,7 +138,7 @@ def test_classifier(chunk):
     # dlogits left by the forward, then the saved backward
     dlogits = np.empty((B * T, V), np.float32)
     loss2 = F.classifier_forward(lse, x, wte, targets, dlogits, scale, chunk)
-    assert loss2 == loss
+    assert abs(loss2 - loss_ref) <= RTOL * abs(loss_ref)  # one matmul, not chunks: rounding
     dx, dw = r(B, T, C, seed=4), r(V, C, seed=5)
     F.classifier_backward_saved(dx, dw, x, wte, dlogits)
     close("classifier dinp (saved dlogits)", dx, a[0])
@@ -138,18 +146,20 @@ def test_classifier(chunk):
 
 
 def test_adamw():
+    """fast keeps the moments scaled (m / (1-b1), v / (1-b2)): the same step from the same
+    state, and the same state after it once unscaled."""
     n = 1000
+    b1, b2 = 0.9, 0.999
     p, g, m, v = r(n, seed=1), r(n, seed=2), r(n, seed=3, scale=0.1), r(n, seed=4) ** 2
     for t in (1, 7):
-        (_, a), (_, b) = both(
-            lambda M, p, g, m, v, t=t: M.adamw_update(p, g, m, v, t, 1e-3, weight_decay=0.1),
-            p,
-            g,
-            m,
-            v,
-        )
-        for name, got, want in zip("pgmv", b, a, strict=True):
-            close(f"adamw {name}", got, want, exact=name == "g")
+        want = [a.copy() for a in (p, g, m, v)]
+        K.adamw_update(*want, t, 1e-3, weight_decay=0.1)
+        got = [p.copy(), g.copy(), m / np.float32(1 - b1), v / np.float32(1 - b2)]
+        F.adamw_update(*got, t, 1e-3, weight_decay=0.1)
+        got[2] *= np.float32(1 - b1)
+        got[3] *= np.float32(1 - b2)
+        for name, a, b in zip("pgmv", got, want, strict=True):
+            close(f"adamw {name} (t={t})", a, b, exact=name == "g")
 
 
 def test_parallel_covers_every_index_once(monkeypatch):
@@ -174,6 +184,7 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
     kernels. Before the second iteration the fast model's gradients are NaN: every one of
     them must be written, none added to."""
     monkeypatch.setattr(F, "BLOCK", 1 << 12)  # still many blocks over the 3.4M parameters
+    monkeypatch.setattr(F, "ADAMW_BLOCK", 1 << 12)
     monkeypatch.setattr(F, "_DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
     from proxies.gpt2.config import PRESETS
     from proxies.gpt2.model import StageModel

@@ -20,6 +20,14 @@ LOCAL_SIZE_VARS = (
     "SLURM_NTASKS_PER_NODE",
 )
 
+# OpenBLAS's threads spin for 2^OPENBLAS_THREAD_TIMEOUT TSC ticks after each call before they
+# sleep: 2^28 (about 0.1 s) by default. The elementwise kernels that follow a matmul run on the
+# same cores (proxies/gpt2/fast.py), so for that long they lost a core to the spinning: GPT-2
+# 124M's AdamW right after the backward took 300-320 ms instead of 240-260 (2 cores). 2^18
+# ticks (about 0.1 ms) still keeps the threads awake between back-to-back matmuls (shorter,
+# 2^4, made the matmuls themselves slower). Set unless the user did.
+OPENBLAS_SPIN_EXPONENT = "18"
+
 # What pin_blas_threads decided, for the report: (threads, ranks_on_node, cores, source).
 decision: tuple[int, int, int, str] | None = None
 
@@ -47,6 +55,7 @@ AUTO_MARK = "PROXIES_BLAS_THREADS_AUTO"
 
 def pin_blas_threads() -> None:
     global decision
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_SPIN_EXPONENT)
     cores, ranks = cores_available(), local_ranks()
     mark = os.environ.get(AUTO_MARK)
     ours = mark is not None and all(os.environ.get(v) == mark for v in BLAS_VARS)

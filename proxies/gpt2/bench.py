@@ -161,6 +161,7 @@ def machine_info(torch=None) -> dict:
         "blas": _blas(),
         "blas_threads": threads,
         "blas_threads_source": source,
+        "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     }
     if torch is not None:
         info["torch"] = torch.__version__
