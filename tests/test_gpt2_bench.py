@@ -70,6 +70,12 @@ def test_torch_agrees(tiny):
         assert x["loss_rel_diff_last"] <= bench.LOSS_TOL_LAST
         assert x["torch_ms_per_step"] > 0 and x["ratio_vs_torch"] > 0
         assert len(x["torch_losses"]) == len(x["losses"])
+        # the BLAS comparison: the same mix's FLOPs at each rate, and the derived ratio
+        assert x["gemm_ms"] * x["matmul_gflops"] == pytest.approx(
+            x["torch_gemm_ms"] * x["torch_matmul_gflops"]
+        )
+        swapped = x["ms_per_step"] - x["gemm_ms"] + x["torch_gemm_ms"]
+        assert x["ratio_at_torch_blas"] == pytest.approx(swapped / x["torch_ms_per_step"])
 
 
 def test_flops_and_gemm_mix_cover_the_model():

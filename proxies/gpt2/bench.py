@@ -33,7 +33,10 @@ Reported per shape:
   step's losses (relative difference, LOSS_TOL) and gradients before the first optimizer
   step (per tensor max|g_ours - g_torch| / max|g_torch|, worst tensor, GRAD_TOL); the
   last step's losses after both optimizers ran (LOSS_TOL_LAST, loose: AdamW amplifies
-  rounding in near-zero gradients). Exit status 1 if a check fails.
+  rounding in near-zero gradients). Exit status 1 if a check fails. And the same GEMM mix
+  through torch.matmul (PyTorch's BLAS: MKL in its x86 wheels, NumPy's is OpenBLAS): its
+  rate, and the ratio our step would have at those rates, everything else as measured
+  (derived: where the remaining gap is the BLAS library, not our kernels).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -319,19 +323,25 @@ def _operand(shape: tuple, rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal(shape, dtype=np.float32)
 
 
-def gemm_seconds(cfg: GPT2Config, B: int, T: int) -> dict[str, float]:
+def gemm_seconds(cfg: GPT2Config, B: int, T: int, torch=None) -> dict[str, float]:
     """Each of the step's GEMMs: the best seconds of one call over at least MATMUL_REPEATS
-    calls (and MATMUL_MIN_S, for the small ones)."""
+    calls (and MATMUL_MIN_S, for the small ones); with torch, torch.matmul's on the same
+    arrays (PyTorch's BLAS, MKL in its x86 wheels) instead of np.matmul's."""
     rng = np.random.default_rng(0)
     best = {}
     for name, _, sa, sb in step_gemms(cfg, B, T):
         a, b = _operand(sa, rng), _operand(sb, rng)
         shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
         out = np.full(shape, 0.0, dtype=np.float32)  # written: its pages are in before timing
+        if torch is None:
+            call = partial(np.matmul, a, b, out=out)
+        else:
+            ta, tb, tout = (torch.from_numpy(x) for x in (a, b, out))
+            call = partial(torch.matmul, ta, tb, out=tout)
         times: list[float] = []
         while len(times) < MATMUL_REPEATS or (sum(times) < MATMUL_MIN_S and len(times) < 100):
             t0 = time.perf_counter()
-            np.matmul(a, b, out=out)
+            call()
             times.append(time.perf_counter() - t0)
         best[name] = min(times)
     return best
@@ -446,6 +456,23 @@ class Steps:
         }
 
 
+def blas_gap(cfg: GPT2Config, B: int, T: int, rec: dict, rate: float, torch) -> dict:
+    """The step's GEMMs through torch.matmul: PyTorch's rate on the same mix, the ms per step
+    the GEMMs take at each rate (the mix's FLOPs / rate), and the ratio to PyTorch our step
+    would have with PyTorch's BLAS rates and everything else as measured (derived, not timed:
+    ours - (our GEMM ms - theirs at their rates), over PyTorch's step)."""
+    torch_rate, _ = matmul_rate(cfg, B, T, gemm_seconds(cfg, B, T, torch))
+    flops = sum(f for _, f, _, _ in step_gemms(cfg, B, T))
+    gemm_ms, torch_gemm_ms = 1e3 * flops / rate, 1e3 * flops / torch_rate
+    return {
+        "torch_matmul_gflops": torch_rate / 1e9,
+        "gemm_ms": gemm_ms,
+        "torch_gemm_ms": torch_gemm_ms,
+        "ratio_at_torch_blas": (rec["ms_per_step"] - gemm_ms + torch_gemm_ms)
+        / rec["torch_ms_per_step"],
+    }
+
+
 def compare_grads(m: StageModel, ref) -> dict:
     """Per tensor max|g_ours - g_torch| / max|g_torch|; the worst tensor."""
     worst, name = -1.0, ""
@@ -532,6 +559,8 @@ def print_report(header: list[str], records: list[dict], with_torch: bool) -> No
         for col in ("B x T", "torch ms/step median", "min", "max", "of which AdamW"):
             t.add_column(col, justify="right")
         t.add_column("ours / torch", justify="right")
+        t.add_column("torch matmul GFLOP/s", justify="right")
+        t.add_column("ours / torch at torch's matmul rates", justify="right")
         t.add_column("loss rel diff, step 1", justify="right")
         t.add_column("last step", justify="right")
         t.add_column("grad rel diff (worst tensor)", justify="right")
@@ -544,6 +573,8 @@ def print_report(header: list[str], records: list[dict], with_torch: bool) -> No
                 f"{r['torch_ms_max']:.1f}",
                 f"{r['torch_adamw_ms']:.1f}",
                 f"{r['ratio_vs_torch']:.2f}",
+                f"{r['torch_matmul_gflops']:,.1f}",
+                f"{r['ratio_at_torch_blas']:.2f}",
                 f"{r['loss_rel_diff']:.1e}",
                 f"{r['loss_rel_diff_last']:.1e}",
                 f"{r['grad_rel_diff']:.1e} ({r['grad_worst_tensor']})",
@@ -554,6 +585,11 @@ def print_report(header: list[str], records: list[dict], with_torch: bool) -> No
             f"agree: loss rel diff <= {LOSS_TOL:g} at step 1 and <= {LOSS_TOL_LAST:g} at the "
             f"last step; per tensor max|g_ours - g_torch| / max|g_torch| <= {GRAD_TOL:g} "
             "before the first optimizer step"
+        )
+        out.print(
+            "torch matmul GFLOP/s: torch.matmul on the same GEMM mix (PyTorch's BLAS); ours / "
+            "torch at torch's matmul rates: derived, our step with its GEMMs' time (mix FLOPs / "
+            "our rate) replaced by that time at torch's rate"
         )
 
 
@@ -608,6 +644,8 @@ def run(args) -> int:
         rate, rates = matmul_rate(cfg, B, T, {g: min(before[g], after[g]) for g in before})
         achieved = rec["model_flops"] / (rec["ms_per_step"] / 1e3)
         rec.update(matmul_gflops=rate / 1e9, matmul_gemm_gflops=rates, mfu=achieved / rate)
+        if torch is not None:
+            rec.update(blas_gap(cfg, B, T, rec, rate, torch))
         rec.update(mem)
         records.append(rec)
     print_report(header, records, torch is not None)
