@@ -385,13 +385,7 @@ def classifier_backward_saved(
 ) -> None:
     """dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp, dlogits (B*T, V)
     left by classifier_forward; dinp_fresh, fresh: dinp, dwte written (as matmul_backward)."""
-    V, C = wte.shape
-    d = dinp.reshape(-1, C)
-    if dinp_fresh:
-        np.matmul(dlogits, wte, out=d)
-    else:
-        d += dlogits @ wte
-    _add_at_b(dwte, dlogits, inp.reshape(-1, C), fresh)
+    matmul_backward(dinp, dwte, None, dlogits, inp, wte, dinp_fresh, fresh)  # no bias
 
 
 def classifier_backward(
@@ -419,8 +413,7 @@ def classifier_backward(
         dl = buf[:n]
         np.matmul(x[i : i + n], wte.T, out=dl)
         blocked(partial(rows, dl, i), n, max(1, BLOCK // V * 4), 1)
-        dx[i : i + n] += dl @ wte
-        _add_at_b(dwte, dl, x[i : i + n])
+        matmul_backward(dx[i : i + n], dwte, None, dl, x[i : i + n], wte)
 
 
 # ----------------------------------------------------------------------------------------
