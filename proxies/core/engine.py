@@ -7,7 +7,9 @@ Where time goes, per iteration and rank:
   fastest member saw it (the last to arrive waits least);
 - idle: waiting for a peer. For a receive, the time until the message is there at all
   (MPI_Mprobe returns): the pipeline bubble. For a collective, the time beyond the group's
-  fastest member: waiting for stragglers. Both are measured, not modelled;
+  fastest member: waiting for stragglers. After the run, the runner adds the time from this
+  rank's last op to the slowest rank's (the pipeline cool-down), so every rank's categories
+  add up to the iteration. All measured, not modelled;
 - overhead: the rest of the iteration (the engine's own Python between ops).
 
 Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be

@@ -21,6 +21,7 @@ from proxies.core.engine import (
     HIDDEN,
     CheckError,
     Engine,
+    IterationTimes,
     Waiter,
     describe,
     split_collective_waits,
@@ -238,6 +239,25 @@ def calibrate(MPI, job: Job, plan: Plan, runtime, comms: dict, watchdog) -> dict
     return times
 
 
+def book_overhead_and_tail(MPI, world, timed: list[IterationTimes]) -> None:
+    """Make every rank's categories add up to the iteration time, in place.
+
+    An iteration lasts as long as its slowest rank (all start together after a barrier and
+    the next one waits for the last). A rank that ends earlier, such as the last pipeline
+    stage, which finishes its final backward while stage 0 is still in the cool-down, waits
+    the difference: that is idle, booked here. What is left of a rank's own time after its
+    ops is the engine's overhead. One Allreduce(MAX) after the run, nothing inside iterations.
+    """
+    own = np.array([t.total for t in timed])
+    slowest = np.empty_like(own)
+    world.Allreduce(own, slowest, op=MPI.MAX)
+    for t, end in zip(timed, slowest.tolist()):
+        spent = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
+        t.seconds["overhead"] = max(0.0, t.total - spent)
+        t.seconds["idle"] += end - t.total
+        t.total = end
+
+
 def run(job: Job, args, MPI) -> int:
     from proxies.core.mpi import Watchdog, abort_on_exception
     from proxies.core.mpi import describe as mpi_describe
@@ -293,9 +313,7 @@ def run(job: Job, args, MPI) -> int:
     job.config["progress"] = engine.progress_mode
     watchdog.beat("collecting results")
     split_collective_waits(MPI, comms, timed)
-    for t in timed:
-        spent = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
-        t.seconds["overhead"] = max(0.0, t.total - spent)
+    book_overhead_and_tail(MPI, world, timed)
     cats = sorted({c for t in timed for c in t.seconds})
     row = {
         "rank": rank,
