@@ -251,7 +251,7 @@ def book_overhead_and_tail(MPI, world, timed: list[IterationTimes]) -> None:
     own = np.array([t.total for t in timed])
     slowest = np.empty_like(own)
     world.Allreduce(own, slowest, op=MPI.MAX)
-    for t, end in zip(timed, slowest.tolist()):
+    for t, end in zip(timed, slowest.tolist(), strict=True):
         spent = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
         t.seconds["overhead"] = max(0.0, t.total - spent)
         t.seconds["idle"] += end - t.total
