@@ -1,5 +1,11 @@
 """Run under mpiexec by test_engine.py: every collective kind, blocking and non-blocking,
-through the Engine with --check on, compared with NumPy on every rank."""
+through the Engine with --check on, compared with NumPy on every rank.
+
+Arguments: elements per rank, spin|yield, extra elements, and optionally a wire dtype
+(float32, bfloat16, float16), whether the runtime's buffers are float32 and staged
+("stage") or already of the wire dtype ("direct"), and the allreduce algorithm. With a
+16-bit wire dtype, inputs are rounded to it first; sums carry its rounding; a ring of
+point-to-point messages must arrive bit for bit."""
 
 import sys
 
@@ -7,7 +13,8 @@ import numpy as np
 
 from proxies.core import mpi
 from proxies.core.engine import Engine
-from proxies.core.plan import Collective, Compute, Plan, Wait
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.core.wire import epsilon, numpy_dtype
 
 MPI = mpi.init()
 world = MPI.COMM_WORLD
@@ -15,7 +22,12 @@ n, r = world.size, world.rank
 EVEN = int(sys.argv[1]) * n  # elements of the whole array
 EXTRA = int(sys.argv[3])  # added to all but alltoall: blocks of unequal sizes
 WAIT = sys.argv[2]  # spin or yield
+WIRE = sys.argv[4] if len(sys.argv) > 4 else "float32"
+STAGE = len(sys.argv) > 5 and sys.argv[5] == "stage"
+ALG = sys.argv[6] if len(sys.argv) > 6 else "mpi"
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
+HELD = np.float32 if STAGE else numpy_dtype(WIRE)  # the runtime's buffers
+RTOL = max(1e-5, 2 * n * epsilon(numpy_dtype(WIRE)))
 
 
 def count(kind: str) -> int:
@@ -23,8 +35,10 @@ def count(kind: str) -> int:
 
 
 def data(rank: int, kind: str) -> np.ndarray:
-    seed = [rank, KINDS.index(kind)]
-    return np.random.default_rng(seed).standard_normal(count(kind)).astype(np.float32)
+    """Rank's input, as the wire carries it (rounded to the wire dtype), in float32."""
+    seed = [rank, KINDS.index(kind) if kind in KINDS else 99]
+    x = np.random.default_rng(seed).standard_normal(count(kind)).astype(numpy_dtype(WIRE))
+    return x.astype(np.float32)
 
 
 def block(x: np.ndarray, i: int) -> np.ndarray:
@@ -33,7 +47,8 @@ def block(x: np.ndarray, i: int) -> np.ndarray:
 
 class Runtime:
     def __init__(self):
-        self.bufs = {k: data(r, k) for k in KINDS}
+        self.bufs = {k: data(r, k).astype(HELD) for k in (*KINDS, "p2p")}
+        self.bufs["recv"] = np.zeros(count("p2p"), dtype=HELD)
 
     def buffer(self, name, mb, chunk):
         return self.bufs[name]
@@ -65,20 +80,32 @@ for nonblocking in (False, True):
     ops = []
     for kind in KINDS:
         req = f"{kind}-req" if nonblocking else ""
-        ops.append(Collective(kind, "world", kind, count(kind), req=req))
+        ops.append(Collective(kind, "world", kind, count(kind), dtype=WIRE, req=req))
         ops.append(Compute("forward"))
     ops += [Wait(f"{kind}-req") for kind in KINDS] if nonblocking else []
+    if n > 1:  # a ring: send to the right, receive from the left
+        right, left = (r + 1) % n, (r - 1) % n
+        size = count("p2p")
+        send = Msg(right, 7, "p2p", 0, size, WIRE)
+        ops.append(P2P("ring", (send,), (Msg(left, 7, "recv", 0, size, WIRE),)))
     plan = Plan(r, tuple(ops), {"world": tuple(range(n))})
     rt = Runtime()
     # mode "real": the engine keeps our buffers (other modes fill checked ones with noise).
-    engine = Engine(MPI, plan, rt, {"world": world}, mode="real", check=True, wait=WAIT)
+    engine = Engine(
+        MPI, plan, rt, {"world": world}, mode="real", check=True, wait=WAIT, allreduce=ALG
+    )
     times = engine.run_iteration(0)
     for kind in KINDS:
-        got = rt.bufs[kind]
+        got = rt.bufs[kind].astype(np.float64)
         if kind == "reduce_scatter":
             got = block(got, r)
         want = expected(kind)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * n, err_msg=kind)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * n, err_msg=kind)
+    if n > 1:
+        got = rt.bufs["recv"].astype(np.float32)
+        assert np.array_equal(got, data((r - 1) % n, "p2p")), "p2p message changed"
+    if STAGE and WIRE != "float32":
+        assert "dtype_cast" in times.seconds, times.seconds
     if nonblocking:
         assert "world_allreduce_hidden" in times.seconds, times.seconds
     world.Barrier()

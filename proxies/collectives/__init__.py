@@ -29,18 +29,19 @@ from collections.abc import Callable
 import numpy as np
 
 from proxies.collectives import dbtree, hier, naive, rhd, ring, tree
-from proxies.collectives.common import Wait, bounds, flat, waitall
+from proxies.collectives.common import Wait, bounds, flat, waitall, words
+from proxies.core.wire import sum_op
 
 
 def mpi_allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     """MPI's own: Allreduce(IN_PLACE), or Iallreduce + wait when a wait is given."""
     from mpi4py import MPI
 
-    x = flat(buf)
+    x, op = flat(buf), sum_op(MPI, buf.dtype)
     if wait is None:
-        comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, words(x), op=op)
     else:
-        wait([comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM)])
+        wait([comm.Iallreduce(MPI.IN_PLACE, words(x), op=op)])
 
 
 ALGORITHMS: dict[str, Callable[..., None]] = {
@@ -83,10 +84,11 @@ def _mpi_reduce_scatter(comm, buf: np.ndarray, wait: Wait | None = None) -> None
     x, n, r = flat(buf), comm.size, comm.rank
     off = bounds(x.size, n)
     counts = [off[i + 1] - off[i] for i in range(n)]
+    op = sum_op(MPI, x.dtype)
     if wait is None:
-        comm.Reduce_scatter(MPI.IN_PLACE, x, counts, op=MPI.SUM)
+        comm.Reduce_scatter(MPI.IN_PLACE, words(x), counts, op=op)
     else:
-        wait([comm.Ireduce_scatter(MPI.IN_PLACE, x, counts, op=MPI.SUM)])
+        wait([comm.Ireduce_scatter(MPI.IN_PLACE, words(x), counts, op=op)])
     # MPI leaves the block at the front; ours belongs at its own position
     x[off[r] : off[r + 1]] = x[: counts[r]].copy()
 
@@ -96,7 +98,7 @@ def _mpi_allgather(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
 
     x, n = flat(buf), comm.size
     off = bounds(x.size, n)
-    spec = [x, ([off[i + 1] - off[i] for i in range(n)], off[:-1])]
+    spec = [words(x), ([off[i + 1] - off[i] for i in range(n)], off[:-1])]
     if wait is None:
         comm.Allgatherv(MPI.IN_PLACE, spec)
     else:

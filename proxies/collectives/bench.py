@@ -33,10 +33,10 @@ import statistics
 import numpy as np
 
 from proxies.collectives import ALGORITHMS, allreduce
-from proxies.core import cli
+from proxies.core import cli, wire
 
 PROG = "proxies.collectives"
-DTYPES = ("float32", "float64", "int32", "int64")
+DTYPES = ("float32", "float64", "int32", "int64", "bfloat16", "float16")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -146,14 +146,17 @@ def sizes(lo: int, hi: int, f: int) -> list[int]:
 
 
 def check_inputs(count: int, rank: int, dtype) -> np.ndarray:
-    """Small integers (|v| <= 15): sums over up to 2^20 ranks are exact in float32."""
-    return ((np.arange(count, dtype=np.int64) * 7 + rank * 13) % 31 - 15).astype(dtype)
+    """Small integers: |v| <= 15, whose sums over up to 2^20 ranks are exact in float32;
+    for 16-bit floats |v| <= 1, exact up to 256 ranks in bfloat16 and 2048 in float16."""
+    span = 3 if wire.is_sixteen(dtype) else 31
+    ints = (np.arange(count, dtype=np.int64) * 7 + rank * 13) % span - span // 2
+    return ints.astype(dtype)
 
 
 def wrong(buf: np.ndarray, n: int) -> int:
     want = np.zeros(buf.size, dtype=np.int64)
     for i in range(n):
-        want += check_inputs(buf.size, i, np.int64)
+        want += check_inputs(buf.size, i, buf.dtype).astype(np.int64)
     return int(np.count_nonzero(buf != want.astype(buf.dtype)))
 
 
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     wait = resolve_wait(MPI, comm, args.wait)
     waiter = Waiter(MPI, wait)
     waitfn = waiter.waitall if wait == "yield" else None
-    dtype = np.dtype(args.dtype)
+    dtype = wire.numpy_dtype(args.dtype)
     steps = sizes(args.minbytes, args.maxbytes, args.stepfactor)
 
     # -- one buffer for every size (osu: allocate once), touched so no timing page-faults

@@ -7,6 +7,9 @@ algorithms still send them (a zero-length message), so every rank runs the same 
 Large counts: messages are numpy slices of the caller's buffer; past 2^31 - 1 elements
 mpi4py 4 calls MPI-4's large-count routines (MPI_Isend_c ...) by itself, so nothing here
 chunks for MPI's int counts.
+
+16-bit floats (bf16, fp16) travel as their uint16 words (`words`); the algorithms add them
+with NumPy, which widens to float32 and rounds each sum back (see proxies.core.wire).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
+from proxies.core.wire import transport as words  # noqa: F401  (re-exported)
 
 # Tags at the top of the range MPI guarantees (MPI_TAG_UB >= 32767), away from the small
 # tags proxies use for their own messages. Each module adds its own offset.

@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall
+from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
 
 # Pipeline: in K chunks a phase takes K + h - 1 steps over a tree of h hops, each step
 # costing chunk / bandwidth + o (o: the per-message overhead). For S bytes that is least
@@ -110,7 +110,7 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     def post(k: int) -> list[list]:
         return [
             [
-                comm.Irecv(tmp[k % 2, t, j, : chunks[t][k].size], c, TAG_UP + t)
+                comm.Irecv(words(tmp[k % 2, t, j, : chunks[t][k].size]), c, TAG_UP + t)
                 for j, c in enumerate(tree[t][1])
             ]
             if k < len(chunks[t])
@@ -129,13 +129,15 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
             for j in range(len(tree[t][1])):
                 np.add(c, tmp[k % 2, t, j, : c.size], out=c)
             if tree[t][0] >= 0:
-                sends.append(comm.Isend(c, tree[t][0], TAG_UP + t))
+                sends.append(comm.Isend(words(c), tree[t][0], TAG_UP + t))
         recvs = ahead
     wait(sends)  # before the broadcast overwrites what they send
 
     # -- broadcast down both trees: all receives posted, forwarded as they arrive
     down = [
-        [comm.Irecv(c, tree[t][0], TAG_DOWN + t) for c in chunks[t]] if tree[t][0] >= 0 else []
+        [comm.Irecv(words(c), tree[t][0], TAG_DOWN + t) for c in chunks[t]]
+        if tree[t][0] >= 0
+        else []
         for t in (0, 1)
     ]
     sends = []
@@ -145,5 +147,5 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
                 continue
             if down[t]:
                 wait([down[t][k]])
-            sends += [comm.Isend(chunks[t][k], c, TAG_DOWN + t) for c in tree[t][1]]
+            sends += [comm.Isend(words(chunks[t][k]), c, TAG_DOWN + t) for c in tree[t][1]]
     wait(sends)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.collectives.common import TAG, Wait, flat, scratch, waitall
+from proxies.collectives.common import TAG, Wait, flat, scratch, waitall, words
 
 TAG_UP, TAG_DOWN = TAG + 20, TAG + 21
 
@@ -25,10 +25,10 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         # -- reduce: add the others' buffers in rank order
         tmp = scratch(x.size, x.dtype)
         for src in range(1, n):
-            wait([comm.Irecv(tmp, src, TAG_UP)])
+            wait([comm.Irecv(words(tmp), src, TAG_UP)])
             np.add(x, tmp, out=x)
         # -- broadcast: one send per rank
-        wait([comm.Isend(x, dst, TAG_DOWN) for dst in range(1, n)])
+        wait([comm.Isend(words(x), dst, TAG_DOWN) for dst in range(1, n)])
     else:
-        wait([comm.Isend(x, 0, TAG_UP)])
-        wait([comm.Irecv(x, 0, TAG_DOWN)])
+        wait([comm.Isend(words(x), 0, TAG_UP)])
+        wait([comm.Irecv(words(x), 0, TAG_DOWN)])

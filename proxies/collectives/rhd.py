@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall
+from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
 
 TAG_FOLD, TAG_RS, TAG_AG = TAG + 40, TAG + 41, TAG + 42
 
@@ -42,10 +42,10 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     # -- fold the extra ranks into their odd neighbours
     if r < 2 * rem:
         if r % 2 == 0:
-            wait([comm.Isend(x, r + 1, TAG_FOLD)])
-            wait([comm.Irecv(x, r + 1, TAG_FOLD)])  # the result, after the unfold
+            wait([comm.Isend(words(x), r + 1, TAG_FOLD)])
+            wait([comm.Irecv(words(x), r + 1, TAG_FOLD)])  # the result, after the unfold
             return
-        wait([comm.Irecv(tmp, r - 1, TAG_FOLD)])
+        wait([comm.Irecv(words(tmp), r - 1, TAG_FOLD)])
         np.add(x, tmp, out=x)
         v = r // 2
     else:
@@ -66,7 +66,12 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
         keep, got = blocks(klo, khi), tmp[: off[khi] - off[klo]]
         peer = rank_of(v ^ mask)
-        wait([comm.Isend(blocks(slo, shi), peer, TAG_RS), comm.Irecv(got, peer, TAG_RS)])
+        wait(
+            [
+                comm.Isend(words(blocks(slo, shi)), peer, TAG_RS),
+                comm.Irecv(words(got), peer, TAG_RS),
+            ]
+        )
         np.add(keep, got, out=keep)
         lo, hi, mask = klo, khi, mask >> 1
 
@@ -76,9 +81,14 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         size = hi - lo
         olo, ohi = (lo - size, lo) if v & mask else (hi, hi + size)
         peer = rank_of(v ^ mask)
-        wait([comm.Isend(blocks(lo, hi), peer, TAG_AG), comm.Irecv(blocks(olo, ohi), peer, TAG_AG)])
+        wait(
+            [
+                comm.Isend(words(blocks(lo, hi)), peer, TAG_AG),
+                comm.Irecv(words(blocks(olo, ohi)), peer, TAG_AG),
+            ]
+        )
         lo, hi, mask = min(lo, olo), max(hi, ohi), mask << 1
 
     # -- unfold: give the folded neighbour its result
     if r < 2 * rem:
-        wait([comm.Isend(x, r - 1, TAG_FOLD)])
+        wait([comm.Isend(words(x), r - 1, TAG_FOLD)])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall
+from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
 
 TAG_RS, TAG_AG = TAG + 10, TAG + 11
 
@@ -42,7 +42,7 @@ def reduce_scatter(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     for s in range(n - 1):
         out, mine = block(r - s - 1), block(r - s - 2)
         got = tmp[: mine.size]
-        wait([comm.Isend(out, right, TAG_RS), comm.Irecv(got, left, TAG_RS)])
+        wait([comm.Isend(words(out), right, TAG_RS), comm.Irecv(words(got), left, TAG_RS)])
         np.add(mine, got, out=mine)
 
 
@@ -60,7 +60,12 @@ def allgather(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     # -- allgather: finished blocks travel right, received straight into place
     for s in range(n - 1):
-        wait([comm.Isend(block(r - s), right, TAG_AG), comm.Irecv(block(r - s - 1), left, TAG_AG)])
+        wait(
+            [
+                comm.Isend(words(block(r - s)), right, TAG_AG),
+                comm.Irecv(words(block(r - s - 1)), left, TAG_AG),
+            ]
+        )
 
 
 def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.collectives.common import TAG, Wait, flat, scratch, waitall
+from proxies.collectives.common import TAG, Wait, flat, scratch, waitall, words
 
 TAG_UP, TAG_DOWN = TAG + 30, TAG + 31
 
@@ -29,10 +29,10 @@ def reduce(comm, x: np.ndarray, wait: Wait) -> None:
     mask = 1
     while mask < n:
         if r & mask:
-            wait([comm.Isend(x, r - mask, TAG_UP)])
+            wait([comm.Isend(words(x), r - mask, TAG_UP)])
             return
         if r + mask < n:
-            wait([comm.Irecv(tmp, r + mask, TAG_UP)])
+            wait([comm.Irecv(words(tmp), r + mask, TAG_UP)])
             np.add(x, tmp, out=x)
         mask <<= 1
 
@@ -44,7 +44,7 @@ def bcast(comm, x: np.ndarray, wait: Wait) -> None:
     mask = 1
     while mask < n:
         if r & mask:
-            wait([comm.Irecv(x, r - mask, TAG_DOWN)])
+            wait([comm.Irecv(words(x), r - mask, TAG_DOWN)])
             break
         mask <<= 1
     # -- send to the children: r + every lower power of two, largest subtree first
@@ -52,7 +52,7 @@ def bcast(comm, x: np.ndarray, wait: Wait) -> None:
     reqs = []
     while mask:
         if r + mask < n:
-            reqs.append(comm.Isend(x, r + mask, TAG_DOWN))
+            reqs.append(comm.Isend(words(x), r + mask, TAG_DOWN))
         mask >>= 1
     wait(reqs)
 

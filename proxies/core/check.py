@@ -5,7 +5,8 @@ computed before sending (sent beside it on a duplicate communicator).
 
 Collectives, each checked against what the math says (n = group size, `blocks`):
 - allreduce: sum_j w_j out_j == sum over ranks of sum_j w_j in_j, for fixed pseudo-random
-  weights w, within the float32 rounding bound; and every rank holds identical bytes;
+  weights w, within the rounding bound of the wire dtype (float32, or bf16/fp16 summed in
+  float32 and rounded per step: proxies.core.wire); and every rank holds identical bytes;
 - reduce_scatter: the same weighted sum, block by block, for this rank's block;
 - reduce: the same on the root;
 - allgather: block i of the result has the crc32 rank i's block had before;
@@ -20,12 +21,13 @@ import zlib
 
 import numpy as np
 
+from proxies.core import wire
+
 _WEIGHTS = np.random.default_rng(12345).random(1 << 20) + 0.5  # in [0.5, 1.5)
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def crc(buf: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(buf).reshape(-1)).cast("B"))
+    return zlib.crc32(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
 
 
 def checksum(buf: np.ndarray) -> np.ndarray:
@@ -90,8 +92,9 @@ def verify(MPI, kind: str, comm, buf: np.ndarray, state) -> str | None:
             inputs = np.empty(2)
             comm.Allreduce(state, inputs, op=MPI.SUM)
             got = weighted_sums(buf)
-        # Each output element carries at most n-1 float32 roundings of partial sums.
-        tol = 2 * n * EPS32 * inputs[1] + 1e-30
+        # Each output element carries at most n-1 roundings of partial sums, and with a
+        # 16-bit wire dtype one more when it is stored.
+        tol = 2 * n * wire.epsilon(buf.dtype) * inputs[1] + 1e-30
         if kind == "reduce" and r != 0:
             return None
         if abs(got[0] - inputs[0]) > tol:

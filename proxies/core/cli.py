@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
 ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "dbtree", "hier", "naive")  # proxies.collectives
+# --dtype / --grad-dtype names -> the dtype names plans carry (see core/wire.py).
+WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 # Launchers export the world rank under different names; MPI itself is not started yet.
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
@@ -126,6 +128,21 @@ def add_common(
         "they start, so a non-blocking allreduce loses its overlap",
     )
     g.add_argument(
+        "--dtype",
+        choices=tuple(WIRE_DTYPES),
+        default="fp32",
+        help="element type on the wire of activations and of tensor-, sequence- and "
+        "expert-parallel traffic: fp32 (default), bf16 or fp16 (2 bytes; real compute stays "
+        "float32 and is rounded to it when sent)",
+    )
+    g.add_argument(
+        "--grad-dtype",
+        choices=tuple(WIRE_DTYPES),
+        default="fp32",
+        help="element type of gradient reductions: fp32 (default), bf16 or fp16 (summed in "
+        "float32, rounded to 16 bits after each addition, as NCCL does)",
+    )
+    g.add_argument(
         "--seed", type=nonneg_int, default=0, help="seed for weights and synthetic data (default 0)"
     )
     g.add_argument(
@@ -201,3 +218,8 @@ def run_main(
         say(f"{prog}: error: {e}")
         sys.exit(2)
     sys.exit(code or 0)
+
+
+def wire_dtypes(args) -> tuple[str, str]:
+    """(activation/parallel traffic dtype, gradient dtype) as plan dtype names."""
+    return WIRE_DTYPES[args.dtype], WIRE_DTYPES[args.grad_dtype]

@@ -10,6 +10,9 @@ Where time goes, per iteration and rank:
   fastest member: waiting for stragglers. After the run, the runner adds the time from this
   rank's last op to the slowest rank's (the pipeline cool-down), so every rank's categories
   add up to the iteration. All measured, not modelled;
+- dtype_cast: rounding float32 compute buffers to a 16-bit wire dtype and widening what
+  arrives (--dtype/--grad-dtype with real compute; see wire.py). Kept out of the
+  communication it serves, which it would otherwise inflate;
 - overhead: the rest of the iteration (the engine's own Python between ops).
 
 Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
@@ -36,9 +39,11 @@ from typing import Protocol
 import numpy as np
 
 from proxies import collectives
-from proxies.core import check
+from proxies.core import check, wire
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN
+
+CAST = "dtype_cast"  # category of float32 <-> 16-bit wire conversions
 
 # Largest count per MPI call: MPI counts are C ints (2^31 - 1), so longer messages go as
 # consecutive pieces on the same tag (MPI keeps their order).
@@ -228,6 +233,7 @@ class Engine:
         multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.progress_mode = progress if multiple else "test"
         self.progress: Progress | None = None
+        self.staging = wire.Staging()
 
     def close(self) -> None:
         """Stop the progress thread (before MPI_Finalize)."""
@@ -250,40 +256,50 @@ class Engine:
     def _p2p(self, op: P2P, t: IterationTimes) -> None:
         MPI, comm = self.MPI, self.world
         t0 = MPI.Wtime()
-        reqs = []
+        cast0 = t.seconds[CAST]
+        reqs, staged = [], []
         for m in op.sends:
             buf = self._buffer(m)
+            out = self._narrow(buf, m.dtype, t)
+            if out is not buf:
+                staged.append(out)
             if self.check:
                 if self.mode != "real":
-                    check.fill(buf, self._seed(m))
-                reqs.append(self.check_comm.Isend(check.checksum(buf), m.peer, m.tag))
+                    check.fill(out, self._seed(m))
+                reqs.append(self.check_comm.Isend(check.checksum(out), m.peer, m.tag))
                 if self.fault == "corrupt":
-                    buf.reshape(-1)[:1] += 1  # after the checksum: the receiver must notice
-            reqs += [comm.Isend(p, m.peer, m.tag) for p in _pieces(buf)]
+                    # After the checksum, one bit of the first element: the receiver must notice.
+                    out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
+            reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in _pieces(out)]
         idle = 0.0
         for m in op.recvs:
             buf = self._buffer(m)
+            into = self._narrow(buf, m.dtype, t, copy=False)
+            mpi_type = wire.mpi_type(MPI, into.dtype)
             self._beat(f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} (tag {m.tag})")
-            for piece in _pieces(buf):
+            for piece in _pieces(into):
                 w0 = MPI.Wtime()
                 status = MPI.Status()
                 msg = self.waiter.probe(comm, m.peer, m.tag, status)
                 idle += MPI.Wtime() - w0
-                n = status.Get_count(MPI._typedict[piece.dtype.char])
+                n = status.Get_count(mpi_type)
                 if n != piece.size:
                     raise CheckError(
                         f"rank {comm.rank} expected {piece.size} x {piece.dtype} for {m.buf} "
                         f"mb {m.mb} from rank {m.peer} (tag {m.tag}) but the message has {n}"
                     )
-                msg.Recv(piece)
+                msg.Recv(wire.transport(piece))
             if self.check:
-                self._verify_p2p(buf, m)
+                self._verify_p2p(into, m)
+            self._widen(into, buf, t)
         if op.sends:
             peers = ", ".join(f"{m.buf} mb {m.mb} to rank {m.peer}" for m in op.sends)
             self._beat(f"{op.name}: waiting for the receiver(s) to take {peers}")
         self.waiter.waitall(reqs)
+        for out in staged:
+            self.staging.release(out)
         t.seconds["idle"] += idle
-        t.seconds[op.category] += MPI.Wtime() - t0 - idle
+        t.seconds[op.category] += MPI.Wtime() - t0 - idle - (t.seconds[CAST] - cast0)
 
     def _beat(self, what: str) -> None:
         if self.watchdog is not None:
@@ -291,31 +307,57 @@ class Engine:
 
     def _buffer(self, m: Msg) -> np.ndarray:
         buf = self.runtime.buffer(m.buf, m.mb, m.chunk)
-        if buf.size != m.count or buf.dtype != np.dtype(m.dtype):
+        want = wire.numpy_dtype(m.dtype)
+        # A float32 compute buffer may travel as a 16-bit wire dtype (staged).
+        castable = buf.dtype == np.float32 and wire.is_sixteen(want)
+        if buf.size != m.count or (buf.dtype != want and not castable):
             raise CheckError(
                 f"buffer {m.buf} mb {m.mb} is {buf.size} x {buf.dtype}, "
                 f"the plan says {m.count} x {m.dtype}"
             )
         return buf
 
+    # -- 16-bit wire dtypes ----------------------------------------------------------------
+    def _narrow(self, buf: np.ndarray, dtype: str, t: IterationTimes, copy: bool = True):
+        """`buf` itself when it already has the wire dtype, else a staging buffer (holding
+        its values rounded, when `copy`), the conversion timed as dtype_cast."""
+        want = wire.numpy_dtype(dtype)
+        if buf.dtype == want:
+            return buf
+        t0 = time.perf_counter()
+        out = self.staging.narrow(buf, want, copy)
+        t.seconds[CAST] += time.perf_counter() - t0
+        return out
+
+    def _widen(self, out: np.ndarray, buf: np.ndarray, t: IterationTimes) -> None:
+        """Back from the wire: copy a staged result into the compute buffer."""
+        if out is buf:
+            return
+        t0 = time.perf_counter()
+        self.staging.widen(out, buf)
+        t.seconds[CAST] += time.perf_counter() - t0
+
     # -- collectives -----------------------------------------------------------------------
-    def _start(self, op: Collective, blocking: bool):
-        """Issue a collective; return (buffer, requests, check state). Requests are empty
-        when it ran blocking. The whole array splits into check.blocks: sizes differing by
-        at most one, so reduce_scatter and allgather take any count (the v-variants when
-        uneven); alltoall needs equal blocks."""
+    def _start(self, op: Collective, blocking: bool, t: IterationTimes):
+        """Issue a collective; return (buffer, wire buffer, requests, check state). The
+        wire buffer is the buffer itself, or its 16-bit staging copy (wire.py). Requests are
+        empty when it ran blocking. The whole array splits into check.blocks: sizes
+        differing by at most one, so reduce_scatter and allgather take any count (the
+        v-variants when uneven); alltoall needs equal blocks."""
         MPI = self.MPI
         comm = self.comms[op.group]
         buf = self.runtime.buffer(op.buf, op.mb, 0)
-        n, flat = comm.size, buf.reshape(-1)
+        out = self._narrow(buf, op.dtype, t)
+        n, flat = comm.size, out.reshape(-1)
         if op.kind == "alltoall" and flat.size % n:
             raise CheckError(
                 f"alltoall of {flat.size} elements over {n} ranks ({op.buf}): "
                 "not a multiple of the group size"
             )
         if self.check and self.mode != "real":
-            check.fill(buf, self._seed(op))
-        state = check.before(MPI, op.kind, comm, buf) if self.check else None
+            check.fill(flat, self._seed(op))
+        state = check.before(MPI, op.kind, comm, flat) if self.check else None
+        x, SUM = wire.transport(flat), wire.sum_op(MPI, flat.dtype)  # what MPI is given
         spin = blocking and not self.waiter.yielding
         # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
         # being elementwise, is also cut into pieces.
@@ -326,28 +368,26 @@ class Engine:
             wait = self.waiter.waitall if self.waiter.yielding else None
             collectives.allreduce(comm, flat, self.allreduce, wait=wait)
         elif op.kind == "allreduce":
-            calls = [("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM)) for piece in _pieces(buf)]
+            calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
         elif op.kind in ("allgather", "reduce_scatter") and flat.size % n:
             counts = [b.size for b in check.blocks(flat, n)]
             displs = np.cumsum([0] + counts[:-1]).tolist()
-            spec = [flat, (counts, displs), MPI._typedict[flat.dtype.char]]
+            spec = [x, (counts, displs), wire.mpi_type(MPI, flat.dtype)]
             calls = [
                 ("Allgatherv", (MPI.IN_PLACE, spec))
                 if op.kind == "allgather"
-                else ("Reduce_scatter", (MPI.IN_PLACE, flat, counts, MPI.SUM))
+                else ("Reduce_scatter", (MPI.IN_PLACE, x, counts, SUM))
             ]
         else:
             calls = [
                 {
-                    "allgather": ("Allgather", (MPI.IN_PLACE, flat)),
-                    "reduce_scatter": ("Reduce_scatter_block", (MPI.IN_PLACE, flat, MPI.SUM)),
-                    "alltoall": ("Alltoall", (MPI.IN_PLACE, flat)),
-                    "bcast": ("Bcast", (flat, 0)),
+                    "allgather": ("Allgather", (MPI.IN_PLACE, x)),
+                    "reduce_scatter": ("Reduce_scatter_block", (MPI.IN_PLACE, x, SUM)),
+                    "alltoall": ("Alltoall", (MPI.IN_PLACE, x)),
+                    "bcast": ("Bcast", (x, 0)),
                     "reduce": (
                         "Reduce",
-                        (MPI.IN_PLACE, flat, MPI.SUM, 0)
-                        if comm.rank == 0
-                        else (flat, None, MPI.SUM, 0),
+                        (MPI.IN_PLACE, x, SUM, 0) if comm.rank == 0 else (x, None, SUM, 0),
                     ),
                 }[op.kind]
             ]
@@ -357,30 +397,33 @@ class Engine:
                 getattr(comm, name)(*args)
             else:
                 reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
-        return buf, reqs, state
+        return buf, out, reqs, state
 
-    def _finish(self, op: Collective, buf: np.ndarray, state) -> None:
-        """After completion: place the reduce-scatter shard, run --check."""
+    def _finish(self, op: Collective, buf: np.ndarray, out: np.ndarray, state, t) -> None:
+        """After completion: place the reduce-scatter shard, run --check, widen a staged
+        result into the compute buffer."""
         comm = self.comms[op.group]
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
-            blocks = check.blocks(buf, comm.size)
-            blocks[comm.rank][...] = buf.reshape(-1)[: blocks[comm.rank].size]
+            blocks = check.blocks(out, comm.size)
+            blocks[comm.rank][...] = out.reshape(-1)[: blocks[comm.rank].size]
         if self.check:
-            error = check.verify(self.MPI, op.kind, comm, buf, state)
+            error = check.verify(self.MPI, op.kind, comm, out, state)
             if error:
                 raise CheckError(
                     f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "
                     f"{self.iteration}) on rank {self.world.rank}: {error}"
                 )
+        self._widen(out, buf, t)
 
     def _collective(self, op: Collective, t: IterationTimes) -> None:
         MPI = self.MPI
         t0 = MPI.Wtime()
-        buf, reqs, state = self._start(op, blocking=True)
+        cast0 = t.seconds[CAST]
+        buf, out, reqs, state = self._start(op, blocking=True, t=t)
         self.waiter.waitall(reqs)
-        t.collectives.append((op.group, op.category, MPI.Wtime() - t0))
-        self._finish(op, buf, state)
+        t.collectives.append((op.group, op.category, MPI.Wtime() - t0 - (t.seconds[CAST] - cast0)))
+        self._finish(op, buf, out, state, t)
 
     def _post(self, op: Collective, t: IterationTimes) -> None:
         """Start a non-blocking collective; it completes at Wait(op.req)."""
@@ -390,9 +433,11 @@ class Engine:
             self.progress = Progress(self.MPI, self.pending)
         with self._lock():
             t0 = self.MPI.Wtime()
-            buf, reqs, state = self._start(op, blocking=False)
-            t.seconds[op.category] += self.MPI.Wtime() - t0  # issuing it is exposed time
-            self.pending[op.req] = [op, buf, reqs, state, t0, None]
+            cast0 = t.seconds[CAST]
+            buf, out, reqs, state = self._start(op, blocking=False, t=t)
+            # Issuing it is exposed time.
+            t.seconds[op.category] += self.MPI.Wtime() - t0 - (t.seconds[CAST] - cast0)
+            self.pending[op.req] = [op, buf, reqs, state, t0, None, out]
         if self.progress is not None:
             self.progress.resume()
 
@@ -423,7 +468,7 @@ class Engine:
         if op.req not in self.pending:
             raise CheckError(f"wait for {op.req!r}, which was never started")
         with self._lock():
-            coll, buf, reqs, state, started, done = self.pending.pop(op.req)
+            coll, buf, reqs, state, started, done, out = self.pending.pop(op.req)
             t0 = MPI.Wtime()
             self.waiter.waitall(reqs)
             t1 = MPI.Wtime()
@@ -431,7 +476,7 @@ class Engine:
         # (or until this wait began), while this rank did other work.
         t.seconds[coll.category] += t1 - t0
         t.inflight[coll.category].append((started, done if done is not None else t0))
-        self._finish(coll, buf, state)
+        self._finish(coll, buf, out, state, t)
 
     # -- --check ---------------------------------------------------------------------------
     def _seed(self, key) -> int:

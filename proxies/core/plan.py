@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
+from proxies.core.wire import numpy_dtype
 
 COLLECTIVE_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
 
 
 def itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return numpy_dtype(dtype).itemsize
 
 
 def block_range(count: int, n: int, i: int) -> tuple[int, int]:

@@ -30,6 +30,7 @@ LABELS = {
     "conv_allreduce": "conv gradient allreduce (all ranks)",
     "dense_allreduce": "dense-slice gradient allreduce (replicas)",
     "data": "synthetic data",
+    "dtype_cast": "float32 <-> 16-bit wire casts",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",
 }

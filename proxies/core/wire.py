@@ -1,0 +1,99 @@
+"""What crosses the wire: 16-bit floats for activations and gradients, computed in float32.
+
+`--dtype` sets the element type of activations and of tensor-, sequence- and
+expert-parallel traffic, `--grad-dtype` that of gradient reductions: fp32, bf16 or fp16.
+A plan's Msg and Collective carry that wire dtype. NumPy computes in float32, so the engine
+rounds a float32 buffer into a staging buffer of the wire dtype before it leaves (round to
+nearest even, as a GPU's conversion does), and widens what arrives back into the float32
+buffer. Comm-only runs allocate their buffers in the wire dtype and send them as they are.
+
+MPI has no standard bfloat16 or float16 type (MPI 4.1), so 16-bit floats travel as
+MPI_UINT16_T words: their bytes are exactly what a bf16 training run would send. Sums use
+a user-defined MPI operation that widens both operands to float32, adds, and rounds the
+sum back to the wire type: one rounding per pairwise addition, as NCCL reduces bf16 (it
+accumulates each step in float and stores bf16), whichever algorithm MPI picks. A result
+element therefore carries at most n - 1 roundings of 2^-8 (bf16) or 2^-11 (fp16) relative
+to its partial sums, which is the bound `--check` verifies. bfloat16 comes from the
+`ml_dtypes` package (the bfloat16 NumPy type JAX and TensorFlow use).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+SIXTEEN = (BFLOAT16, np.dtype(np.float16))  # floats MPI cannot reduce: sent as uint16
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """np.dtype for a plan's dtype name, bfloat16 included."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def is_sixteen(dtype) -> bool:
+    return np.dtype(dtype) in SIXTEEN
+
+
+def transport(arr: np.ndarray) -> np.ndarray:
+    """The array as MPI sees it: 16-bit floats as their raw uint16 words."""
+    return arr.view(np.uint16) if arr.dtype in SIXTEEN else arr
+
+
+def mpi_type(MPI, dtype):
+    """The MPI datatype a transported array of `dtype` travels as."""
+    from mpi4py.util import dtlib
+
+    return MPI.UINT16_T if np.dtype(dtype) in SIXTEEN else dtlib.from_numpy_dtype(dtype)
+
+
+def epsilon(dtype) -> float:
+    """Unit roundoff bound used by --check: the dtype's machine epsilon."""
+    dtype = np.dtype(dtype)
+    return float(ml_dtypes.finfo(dtype).eps if dtype == BFLOAT16 else np.finfo(dtype).eps)
+
+
+_ops: dict = {}
+
+
+def sum_op(MPI, dtype):
+    """MPI.SUM, or for a 16-bit float the float32-accumulating sum described above."""
+    dtype = np.dtype(dtype)
+    if dtype not in SIXTEEN:
+        return MPI.SUM
+    if dtype not in _ops:
+
+        def add(inbuf, inoutbuf, datatype, dtype=dtype):
+            a = np.frombuffer(inbuf, dtype=dtype)
+            b = np.frombuffer(inoutbuf, dtype=dtype)
+            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
+
+        _ops[dtype] = MPI.Op.Create(add, commute=True)
+    return _ops[dtype]
+
+
+class Staging:
+    """Wire-format buffers for float32 compute buffers, reused: a free list per (dtype,
+    size), so memory stays at what is in flight at once (a pipeline batch, the gradient
+    buckets not yet waited for)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[np.dtype, int], list[np.ndarray]] = defaultdict(list)
+
+    def narrow(self, buf: np.ndarray, dtype: np.dtype, copy: bool = True) -> np.ndarray:
+        """A wire buffer for `buf`, holding its values rounded when `copy`."""
+        shelf = self.free[(dtype, buf.size)]
+        wire = shelf.pop() if shelf else np.empty(buf.size, dtype=dtype)
+        if copy:
+            wire[...] = buf.reshape(-1)  # round to nearest even
+        return wire
+
+    def widen(self, wire: np.ndarray, buf: np.ndarray) -> None:
+        """Copy what arrived into the compute buffer and take the wire buffer back."""
+        buf.reshape(-1)[...] = wire
+        self.release(wire)
+
+    def release(self, wire: np.ndarray) -> None:
+        self.free[(wire.dtype, wire.size)].append(wire)
