@@ -256,7 +256,7 @@ class Engine:
     def _p2p(self, op: P2P, t: IterationTimes) -> None:
         MPI, comm = self.MPI, self.world
         t0 = MPI.Wtime()
-        cast0 = t.seconds[CAST]
+        cast0 = t.seconds.get(CAST, 0.0)
         reqs, staged = [], []
         for m in op.sends:
             buf = self._buffer(m)
@@ -299,7 +299,7 @@ class Engine:
         for out in staged:
             self.staging.release(out)
         t.seconds["idle"] += idle
-        t.seconds[op.category] += MPI.Wtime() - t0 - idle - (t.seconds[CAST] - cast0)
+        t.seconds[op.category] += MPI.Wtime() - t0 - idle - (t.seconds.get(CAST, 0.0) - cast0)
 
     def _beat(self, what: str) -> None:
         if self.watchdog is not None:
@@ -325,13 +325,17 @@ class Engine:
         if buf.dtype == want:
             return buf
         t0 = time.perf_counter()
-        out = self.staging.narrow(buf, want, copy)
+        # Without real compute the values mean nothing: no rounding pass is owed.
+        out = self.staging.narrow(buf, want, copy and self.mode == "real")
         t.seconds[CAST] += time.perf_counter() - t0
         return out
 
     def _widen(self, out: np.ndarray, buf: np.ndarray, t: IterationTimes) -> None:
         """Back from the wire: copy a staged result into the compute buffer."""
         if out is buf:
+            return
+        if self.mode != "real":
+            self.staging.release(out)
             return
         t0 = time.perf_counter()
         self.staging.widen(out, buf)
@@ -419,10 +423,10 @@ class Engine:
     def _collective(self, op: Collective, t: IterationTimes) -> None:
         MPI = self.MPI
         t0 = MPI.Wtime()
-        cast0 = t.seconds[CAST]
+        cast0 = t.seconds.get(CAST, 0.0)
         buf, out, reqs, state = self._start(op, blocking=True, t=t)
         self.waiter.waitall(reqs)
-        t.collectives.append((op.group, op.category, MPI.Wtime() - t0 - (t.seconds[CAST] - cast0)))
+        t.collectives.append((op.group, op.category, MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0)))
         self._finish(op, buf, out, state, t)
 
     def _post(self, op: Collective, t: IterationTimes) -> None:
@@ -433,10 +437,10 @@ class Engine:
             self.progress = Progress(self.MPI, self.pending)
         with self._lock():
             t0 = self.MPI.Wtime()
-            cast0 = t.seconds[CAST]
+            cast0 = t.seconds.get(CAST, 0.0)
             buf, out, reqs, state = self._start(op, blocking=False, t=t)
             # Issuing it is exposed time.
-            t.seconds[op.category] += self.MPI.Wtime() - t0 - (t.seconds[CAST] - cast0)
+            t.seconds[op.category] += self.MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0)
             self.pending[op.req] = [op, buf, reqs, state, t0, None, out]
         if self.progress is not None:
             self.progress.resume()

@@ -20,7 +20,7 @@ Conventions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxies.core.wire import numpy_dtype
 
@@ -158,3 +158,36 @@ class Plan:
             elif isinstance(op, Collective):
                 out[op.category] = out.get(op.category, 0) + op.nbytes
         return out
+
+
+def retype(
+    plan: Plan,
+    dtype: str,
+    grad_dtype: str,
+    grads: frozenset[str] = frozenset(),
+    keep: frozenset[str] = frozenset(),
+) -> Plan:
+    """The plan with its float32 traffic on the wire dtypes (a lowering pass, --dtype and
+    --grad-dtype): ops whose category is in `grads` (gradient reductions) as `grad_dtype`,
+    the rest (activations, tensor/sequence/expert-parallel traffic, gathered parameters) as
+    `dtype`. Buffers named in `keep` (e.g. loss statistics reduced in float32, as Megatron
+    does) and non-float32 messages (integer ids) keep their type."""
+    if dtype == grad_dtype == "float32":
+        return plan
+
+    def pick(category: str, buf: str, current: str) -> str:
+        if current != "float32" or buf in keep:
+            return current
+        return grad_dtype if category in grads else dtype
+
+    def msgs(category: str, ms: tuple[Msg, ...]) -> tuple[Msg, ...]:
+        return tuple(replace(m, dtype=pick(category, m.buf, m.dtype)) for m in ms)
+
+    ops: list[Op] = []
+    for op in plan.ops:
+        if isinstance(op, Collective):
+            op = replace(op, dtype=pick(op.category, op.buf, op.dtype))
+        elif isinstance(op, P2P):
+            op = replace(op, sends=msgs(op.category, op.sends), recvs=msgs(op.category, op.recvs))
+        ops.append(op)
+    return replace(plan, ops=tuple(ops))

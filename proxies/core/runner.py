@@ -27,7 +27,7 @@ from proxies.core.engine import (
     split_collective_waits,
 )
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import P2P, Collective, Compute, Plan
+from proxies.core.plan import P2P, Collective, Compute, Plan, retype
 
 
 @dataclass
@@ -44,6 +44,30 @@ class Job:
     runtime: Callable | None = None
     # Group whose members run identical compute: replay measures on its rank 0 only.
     replay_share: str = "dp"
+    # Wire dtypes (--dtype, --grad-dtype as plan dtype names): categories that are gradient
+    # reductions travel as the second, other float32 traffic as the first, except buffers
+    # kept in float32 (plan.retype). `plan` returns the retyped plans.
+    dtypes: tuple[str, str] = ("float32", "float32")
+    grad_categories: frozenset[str] = frozenset()
+    fp32_buffers: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        act, grad = self.dtypes
+        names = {v: k for k, v in cli.WIRE_DTYPES.items()}
+        self.config.setdefault("dtype", names[act])
+        self.config.setdefault("grad_dtype", names[grad])
+        if act == grad == "float32":
+            return
+        def retyped(build: Callable[[int], Plan]) -> Callable[[int], Plan]:
+            def plan(rank: int) -> Plan:
+                return retype(build(rank), act, grad, self.grad_categories, self.fp32_buffers)
+
+            return plan
+
+        uncached = getattr(self.plan, "__wrapped__", None)  # a cached plan's own function
+        self.plan = retyped(self.plan)
+        if uncached is not None:
+            self.plan.__wrapped__ = retyped(uncached)
 
 
 # -- dry run -------------------------------------------------------------------------------
@@ -357,7 +381,8 @@ def run_line(result: dict, args) -> str:
     return (
         f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
         f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
-        f"compute {args.compute}" + (" · --check on" if args.check else "")
+        f"compute {args.compute} · wire {args.dtype} (gradients {args.grad_dtype})"
+        + (" · --check on" if args.check else "")
     )
 
 

@@ -483,6 +483,8 @@ def make_job(args, world: int) -> runner.Job:
         label,
         header,
         runtime,
+        dtypes=cli.wire_dtypes(args),
+        grad_categories=frozenset({"conv_allreduce", "dense_allreduce"}),
     )
 
 

@@ -422,7 +422,19 @@ def make_job(args, world: int) -> runner.Job:
         f"data: {source.describe()} · lr {cfg.lr:g} · iterations {args.warmup} warm-up + "
         f"{args.iters} timed",
     ]
-    job = runner.Job(PROG, "dlrm", config, grid, plan, ("dp", "emb"), label, header, runtime)
+    job = runner.Job(
+        PROG,
+        "dlrm",
+        config,
+        grid,
+        plan,
+        ("dp", "emb"),
+        label,
+        header,
+        runtime,
+        dtypes=cli.wire_dtypes(args),
+        grad_categories=frozenset({"dp_allreduce"}),  # the MLPs' (embeddings: all-to-all)
+    )
     # Replay measures on one rank per group and shares: fine when every rank holds as many
     # tables; otherwise each rank measures its own ops ("self" names no group).
     job.replay_share = "dp" if padding == 0 else "self"

@@ -511,8 +511,22 @@ def make_job(args, world: int) -> runner.Job:
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
     return runner.Job(
-        PROG, "gpt2", config, grid, plan, ("pp", "dp", "embed"), label, header, runtime
+        PROG,
+        "gpt2",
+        config,
+        grid,
+        plan,
+        ("pp", "dp", "embed"),
+        label,
+        header,
+        runtime,
+        dtypes=cli.wire_dtypes(args),
+        grad_categories=GRAD_CATEGORIES,
     )
+
+
+# Gradient reductions (--grad-dtype); the rest, ZeRO's parameter allgather included, is --dtype.
+GRAD_CATEGORIES = frozenset({"dp_allreduce", "dp_reduce_scatter", "embed_allreduce"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -794,7 +794,21 @@ def make_job(args, world: int) -> runner.Job:
     config = config_dict(args, S, grid, schedule)
     header = header_lines(args, S, grid, schedule, source)
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
-    job = runner.Job(PROG, "gpt3", config, grid, plan, groups, label, header, runtime)
+    job = runner.Job(
+        PROG,
+        "gpt3",
+        config,
+        grid,
+        plan,
+        groups,
+        label,
+        header,
+        runtime,
+        dtypes=cli.wire_dtypes(args),
+        grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
+        # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
+        fp32_buffers=frozenset({"ce"}),
+    )
     job.setup = S  # for the dry run
     return job
 
