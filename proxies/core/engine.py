@@ -426,7 +426,9 @@ class Engine:
         cast0 = t.seconds.get(CAST, 0.0)
         buf, out, reqs, state = self._start(op, blocking=True, t=t)
         self.waiter.waitall(reqs)
-        t.collectives.append((op.group, op.category, MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0)))
+        t.collectives.append(
+            (op.group, op.category, MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0))
+        )
         self._finish(op, buf, out, state, t)
 
     def _post(self, op: Collective, t: IterationTimes) -> None:

@@ -58,6 +58,7 @@ class Job:
         self.config.setdefault("grad_dtype", names[grad])
         if act == grad == "float32":
             return
+
         def retyped(build: Callable[[int], Plan]) -> Callable[[int], Plan]:
             def plan(rank: int) -> Plan:
                 return retype(build(rank), act, grad, self.grad_categories, self.fp32_buffers)
