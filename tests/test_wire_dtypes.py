@@ -2,9 +2,11 @@
 those bytes (and only those), gradient reductions follow --grad-dtype, real training in
 bf16 stays within a stated tolerance of float32, and --check still verifies every message.
 
-Tolerance: a bf16 run's losses within 2e-3 relative of the float32 run's (bf16 keeps 8
-significant bits, a relative rounding of 2^-9 = 2e-3 per value; the tiny presets here
-measure 1e-5 to 1e-4).
+Tolerance: over the first three iterations a bf16 run's losses stay within 2e-3 relative
+of the float32 run's (bf16 keeps 8 significant bits: 2^-9 = 2e-3 relative rounding per
+value). Measured here: GPT-2 3e-6, GPT-3 4e-6, DLRM 3e-5, CosmoFlow 1.1e-3. Later the
+trajectories drift apart as any two bf16/fp32 runs do (CosmoFlow tiny at lr 0.01: 4% by
+the fifth iteration).
 """
 
 from __future__ import annotations
