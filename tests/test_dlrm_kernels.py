@@ -134,3 +134,30 @@ def test_bce():
     d = np.zeros(2)
     K.bce_backward(d, big, np.array([1.0, 0.0]), 1.0)
     check("dlogits saturated", d, [-1.0, 1.0])
+
+
+def test_embedding_bag_jagged():
+    """Bags of any length, some empty (a row-wise shard sees only the ids in its rows)."""
+    table = rand(R, D, seed=1)
+    ids = np.array([0, 0, 3, 5, 2, 2, 4, 1, 3])
+    bag = np.array([0, 0, 0, 2, 2, 2, 3, 5, 5])  # bags 1 and 4 empty; rows 6 unused
+    dout = rand(n, D, seed=2)
+    out = np.full((n, D), 7.0)  # must be overwritten, empty bags with zero
+
+    def loss():
+        K.embedding_bag_jagged_forward(out, table, ids, bag)
+        return (out * dout).sum()
+
+    loss()
+    want = np.zeros((n, D))
+    np.add.at(want, bag, table[ids])
+    check("jagged out", out, want)
+    rows, drows = K.embedding_bag_jagged_backward(dout, ids, bag)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]
+    dense = np.zeros_like(table)
+    dense[rows] = drows
+    check("jagged dtable", dense, numgrad(loss, table))
+    none, dnone = K.embedding_bag_jagged_backward(dout, ids[:0], bag[:0])
+    assert none.size == 0 and dnone.shape == (0, D)
+    K.embedding_bag_jagged_forward(out, table, ids[:0], bag[:0])
+    assert not out.any()

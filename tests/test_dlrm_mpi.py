@@ -79,3 +79,33 @@ def test_compute_model_sleeps_the_cpp_proxy_times(tmp_path):
     assert got["bytes"]["emb_alltoall"] == [2 * 262144 * 4] * 4
     assert statistics.fmean(got["breakdown_s"]["compute"]) >= 3.091e-3  # a sleep is never shorter
     assert "alltoall" in r.stdout and "time per iteration" in r.stdout
+
+
+SHARDED = {"row": ["--sharding", "row"], "column": ["--sharding", "column", "--column-shards", "2"]}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("sharding", sorted(SHARDED))
+def test_sharded_tables_train_like_whole_tables(tmp_path, one_rank, sharding, ranks):
+    """Row-wise and column-wise under MPI, --check on every collective: the losses of one
+    rank holding whole tables, to float32 rounding (partial sums meet in another order)."""
+    got = run(tmp_path, ranks, *SHARDED[sharding], "--check")
+    assert got["config"]["sharding"] == sharding and got["config"]["check"] is True
+    assert got["loss"] == pytest.approx(one_rank["loss"], rel=1e-5)
+    if ranks == 1:
+        assert got["bytes"] == {}
+    elif sharding == "row":  # (B,NT,D) = 32 x 4 x 8 floats; splits, lengths, ids in int64
+        assert got["bytes"]["emb_reduce_scatter"] == [32 * 4 * 8 * 4] * ranks
+        assert got["bytes"]["emb_allgather"] == [32 * 4 * 8 * 4] * ranks
+        b = 32 // ranks
+        ids = [8 * (ranks * 3 + ranks * 4 * b + b * 4 * 2)] * ranks
+        assert got["bytes"]["emb_input"] == ids
+    else:  # 8 shards of 4 columns: (W, 8/W, b, 4) both ways
+        assert got["bytes"]["emb_alltoall"] == [2 * 8 * 32 * 4 * 4 // ranks] * ranks
+
+
+@pytest.mark.parametrize("compute", ["none", "replay"])
+def test_row_wise_without_real_compute(tmp_path, compute):
+    """The ids all-to-allv sized from the data when no rank bucketized any ids."""
+    got = run(tmp_path, 4, "--sharding", "row", "--check", "--compute", compute)
+    assert "loss" not in got and got["bytes"]["emb_input"][0] > 0

@@ -14,6 +14,9 @@ BOT_MLP_SIZE, TOP_MLP_SIZE, EMB_ALL2ALL_SIZE = 49536, 728065, 262144
 FWD_BOT_MLP, FWD_TOP_MLP, FWD_INTER, FWD_EMB = 341, 455, 209, 95
 
 
+TABLE, TINY = ["--sharding", "table"], ["--model", "dlrm-tiny"]
+
+
 def job(argv, world):
     return make_job(parser().parse_args(argv), world)
 
@@ -157,9 +160,29 @@ def test_mlperf_times_scale_with_work():
 @pytest.mark.parametrize(
     "argv,world,words",
     [
-        (["--model", "dlrm-tiny"], 8, ["4 embedding tables for 8 ranks", "--tables 8"]),
+        (TABLE + ["--model", "dlrm-tiny"], 8, ["4 embedding tables for 8 ranks", "--tables 8"]),
         (["--batch", "30"], 4, ["global batch 30 is not a multiple of the world size 4"]),
-        (["--model", "mlperf", "--batch", "2048"], 32, ["26 embedding tables for 32 ranks"]),
+        (TABLE + ["--model", "mlperf"], 32, ["26 embedding tables for 32 ranks", "--sharding row"]),
+        (
+            TINY + ["--sharding", "column", "--column-shards", "3"],
+            2,
+            ["--column-shards 3 does not divide", "D = 8"],
+        ),
+        (
+            TINY + ["--sharding", "column", "--column-shards", "2"],
+            16,
+            ["4 tables x 2 column shards = 8 shards for 16 ranks"],
+        ),
+        (
+            TINY + ["--sharding", "column", "--batch", "64"],
+            64,
+            ["at most 32 column shards, fewer than 64 ranks"],
+        ),
+        (
+            TINY + ["--sharding", "row", "--column-shards", "2"],
+            2,
+            ["--column-shards applies to --sharding column, not --sharding row"],
+        ),
     ],
 )
 def test_bad_layouts_are_usage_errors(argv, world, words):
@@ -175,3 +198,69 @@ def test_max_rows_caps_tables_but_no_message():
     assert max(capped.config["rows"]) == 1_000_000 and max(full.config["rows"]) == 39_979_771
     assert capped.config["rows_uncapped"] == full.config["rows"]
     assert capped.plan(0).bytes_by_category() == full.plan(0).bytes_by_category()
+
+
+def test_auto_is_table_wise_while_every_rank_has_a_table_then_row_wise():
+    assert job(["--model", "mlperf", "--batch", "2080"], 26).config["sharding"] == "table"
+    assert job(["--model", "mlperf"], 32).config["sharding"] == "row"
+    assert job(["--model", "dlrm-tiny", "--sharding", "column"], 4).config["column_shards"] == 1
+    assert job(["--model", "dlrm-tiny", "--sharding", "column"], 16).config["column_shards"] == 4
+
+
+def test_mlperf_row_wise_on_128_ranks_by_hand():
+    """B = 2048, b = 16, NT = 26, D = 128, P = 1: TorchRec's row-wise messages."""
+    j = job(["--model", "mlperf", "--sharding", "row", "--dry-run"], 128)
+    plans = [j.plan(r) for r in range(128)]
+    sim = simulate(
+        plans, cost=lambda r, op: op.model_seconds(150e12) if isinstance(op, Compute) else 0
+    )
+    assert sim.time > 0
+    for p in plans[::37]:
+        colls = [
+            (op.kind, op.buf, op.count, op.dtype, bool(op.req))
+            for op in p.ops
+            if isinstance(op, Collective) and op.group == "emb"
+        ]
+        assert colls == [
+            ("alltoall", "emb_splits", 128 * 3, "int64", False),  # 3 per peer
+            ("alltoall", "emb_lengths", 128 * 26 * 16, "int64", True),  # NT b per peer
+            ("alltoallv", "emb_ids", 16 * 26 * 1, "int64", True),  # b NT P in all
+            ("reduce_scatter", "emb_fwd", 2048 * 26 * 128, "float32", True),  # (B,NT,D)
+            ("allgather", "emb_bwd", 2048 * 26 * 128, "float32", True),
+        ]  # fmt: skip
+        b = p.bytes_by_category()
+        assert b["emb_input"] == 8 * (384 + 53_248 + 416) == 432_384
+        assert b["emb_reduce_scatter"] == b["emb_allgather"] == 4 * 6_815_744 == 27_262_976
+        names = [getattr(op, "name", "") for op in p.ops]
+        assert names.index("emb input") < names.index("emb forward") < names.index("bottom forward")
+    # every rank looks up 1/128 of the global batch's ids on average
+    emb = {op.name: op for op in plans[0].ops if isinstance(op, Compute)}["emb forward"]
+    assert emb.flops == pytest.approx(2048 * 26 * 1 * 128 / 128)
+
+
+def test_mlperf_column_wise_on_128_ranks_by_hand():
+    """K = 8 (the smallest divisor of 128 with 26 K >= 128): 208 shards of 16 columns, 2
+    slots per rank (48 padded); (W,S,b,D/K) = 128 x 2 x 16 x 16 both ways."""
+    j = job(["--model", "mlperf", "--sharding", "column"], 128)
+    assert j.config["column_shards"] == 8 and j.config["table_slots"] == 2
+    plans = [j.plan(r) for r in range(128)]
+    simulate(plans, cost=lambda r, op: op.model_seconds(150e12) if isinstance(op, Compute) else 0)
+    for p in plans:
+        assert [op.count for op in collectives(p, "alltoall")] == [128 * 2 * 16 * 16] * 2
+    # rank 0 holds shards 0 and 128 (table 0 columns 0-15, table 16 columns 0-15): 2/8 of
+    # a table's lookups; rank 127 only shard 127
+    flops = [
+        {o.name: o for o in p.ops if isinstance(o, Compute)}["emb forward"].flops
+        for p in (plans[0], plans[127])
+    ]
+    assert flops == [2048 * 2 * 16, 2048 * 1 * 16]
+    assert "empty slot" in j.header[1] and "48 empty" in j.header[1]
+
+
+def test_table_wise_plan_is_unchanged_by_the_option():
+    for world in (1, 4):
+        assert job(["--sharding", "table"], world).plan(0) == job([], world).plan(0)
+    assert (
+        job(["--model", "dlrm-tiny", "--sharding", "column", "--column-shards", "1"], 4).plan(1).ops
+        == job(["--model", "dlrm-tiny"], 4).plan(1).ops
+    )

@@ -11,7 +11,8 @@ Collectives, each checked against what the math says (n = group size, `blocks`):
 - reduce: the same on the root;
 - allgather: block i of the result has the crc32 rank i's block had before;
 - alltoall: block i of the result has the crc32 of the block rank i addressed to us;
-- bcast: the result has the root's crc32.
+- bcast: the result has the root's crc32;
+- alltoallv: as alltoall, with the blocks the runtime's per-peer counts cut (`before_v`).
 The extra collectives on small arrays are why --check runs are not for timing.
 """
 
@@ -78,6 +79,25 @@ def before(MPI, kind: str, comm, buf: np.ndarray):
         comm.Bcast(root, root=0)
         return root
     raise ValueError(f"no check for collective {kind!r}")
+
+
+def split(buf: np.ndarray, counts) -> list[np.ndarray]:
+    """The blocks of an alltoallv buffer: counts[i] elements for peer i, in order."""
+    return np.split(buf.reshape(-1), np.cumsum(counts)[:-1])
+
+
+def before_v(comm, send: np.ndarray, scounts) -> np.ndarray:
+    """alltoallv: got[i] is the crc32 of the block rank i addressed to us."""
+    sent = np.array([crc(b) for b in split(send, scounts)], dtype=np.int64)
+    got = np.empty(comm.size, dtype=np.int64)
+    comm.Alltoall(sent, got)
+    return got
+
+
+def verify_v(recv: np.ndarray, rcounts, state) -> str | None:
+    got = [crc(b) for b in split(recv, rcounts)]
+    bad = [i for i in range(len(got)) if got[i] != state[i]]
+    return f"block {bad[0]} of {len(got)} differs from what rank {bad[0]} sent" if bad else None
 
 
 def verify(MPI, kind: str, comm, buf: np.ndarray, state) -> str | None:

@@ -351,6 +351,10 @@ class Engine:
         MPI = self.MPI
         comm = self.comms[op.group]
         buf = self.runtime.buffer(op.buf, op.mb, 0)
+        if op.kind == "alltoallv":  # integer ids: never retyped, never staged
+            if self.check and self.mode != "real":
+                check.fill(buf, self._seed(op))
+            return self._start_v(op, comm, blocking)
         out = self._narrow(buf, op.dtype, t)
         n, flat = comm.size, out.reshape(-1)
         if op.kind == "alltoall" and flat.size % n:
@@ -403,10 +407,40 @@ class Engine:
                 reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
         return buf, out, reqs, state
 
+    def _start_v(self, op: Collective, comm, blocking: bool):
+        """alltoallv: the runtime's `alltoallv(name, iteration)` gives (send, scounts, recv,
+        rcounts) for this iteration (send may be the array `buffer` returns); the plan's
+        count is what this rank sends. Returns what _start does, with (recv, rcounts, check
+        state) as the state."""
+        MPI = self.MPI
+        send, scounts, recv, rcounts = self.runtime.alltoallv(op.buf, self.iteration)
+        scounts, rcounts = [int(c) for c in scounts], [int(c) for c in rcounts]
+        if send.size != op.count or sum(scounts) != op.count or recv.size != sum(rcounts):
+            raise CheckError(
+                f"alltoallv {op.buf}: sends {sum(scounts)} of a {send.size}-element buffer "
+                f"and receives {sum(rcounts)} into {recv.size}; the plan says {op.count} sent"
+            )
+        state = check.before_v(comm, send, scounts) if self.check else None
+        T = wire.mpi_type(MPI, send.dtype)
+        sd, rd = (np.cumsum([0] + c[:-1]).tolist() for c in (scounts, rcounts))
+        args = ([send, (scounts, sd), T], [recv, (rcounts, rd), T])
+        if blocking and not self.waiter.yielding:
+            comm.Alltoallv(*args)
+            return send, send, [], (recv, rcounts, state)
+        return send, send, [comm.Ialltoallv(*args)], (recv, rcounts, state)
+
     def _finish(self, op: Collective, buf: np.ndarray, out: np.ndarray, state, t) -> None:
         """After completion: place the reduce-scatter shard, run --check, widen a staged
         result into the compute buffer."""
         comm = self.comms[op.group]
+        if op.kind == "alltoallv":
+            error = check.verify_v(*state) if self.check else None
+            if error:
+                raise CheckError(
+                    f"--check: alltoallv over group {op.group} ({op.buf}, iteration "
+                    f"{self.iteration}) on rank {self.world.rank}: {error}"
+                )
+            return
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
             blocks = check.blocks(out, comm.size)

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field, replace
 from proxies.core.wire import numpy_dtype
 
 COLLECTIVE_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
+# alltoallv: blocks of any size, known only at run time (data-dependent, e.g. the ids each
+# rank sends to each row-wise shard's owner). `count` is what this rank sends, which the plan
+# knows; the runtime supplies the buffers and per-peer counts (see engine.Runtime.alltoallv).
+COLLECTIVE_KINDS += ("alltoallv",)
 
 
 def itemsize(dtype: str) -> int:

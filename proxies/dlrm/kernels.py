@@ -63,25 +63,47 @@ def embedding_bag_forward(out: np.ndarray, table: np.ndarray, idx: np.ndarray) -
 
 def embedding_bag_backward(dout: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The table's gradient from dout (n,D), sparse: (rows (U,) sorted and unique, drows (U,D)).
+    idx (n,P): the bags of embedding_bag_forward (see embedding_bag_jagged_backward)."""
+    n, P = idx.shape
+    return embedding_bag_jagged_backward(dout, idx.reshape(-1), np.arange(n * P) // P)
 
-    Repeated rows add up. Sorting (stable) groups each row's contributions in sample order and
+
+def embedding_bag_jagged_forward(
+    out: np.ndarray, table: np.ndarray, ids: np.ndarray, bag: np.ndarray
+) -> None:
+    """out (n,D): row g = the sum of table[ids[m]] over the m with bag[m] == g, zero where no
+    id has that bag (a row-wise shard sees only the ids in its rows); ids, bag (M,), bag
+    non-decreasing (ids grouped by bag, as a KeyedJaggedTensor's values)."""
+    out[...] = 0
+    if ids.size:
+        starts = np.flatnonzero(np.concatenate(([True], bag[1:] != bag[:-1])))
+        out[bag[starts]] = np.add.reduceat(np.take(table, ids, axis=0), starts, axis=0)
+
+
+def embedding_bag_jagged_backward(
+    dout: np.ndarray, ids: np.ndarray, bag: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The table's gradient from dout (n,D) for bags given as ids, bag (M,) (bag[m]: the row
+    of dout id m was pooled into), sparse: (rows (U,) sorted and unique, drows (U,D)).
+
+    Repeated rows add up. Sorting (stable) groups each row's contributions in bag order and
     they are added left to right, so the sum is the same whichever ranks the samples came
     from. The k-th contribution of every row that has one is added in one vectorised step:
     as many steps as the hottest row has hits, 7x faster than np.add.reduceat (one call per
     row) at B=2048, P=10, R=80,000.
     """
-    P = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    ids = flat[order]
-    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-    hits = np.diff(np.append(starts, ids.size))
-    sample = order // P  # the bag each sorted index came from
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    if not sorted_ids.size:
+        return sorted_ids, np.zeros((0, dout.shape[1]), dtype=dout.dtype)
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    hits = np.diff(np.append(starts, sorted_ids.size))
+    sample = bag[order]  # the bag each sorted id came from
     drows = dout[sample[starts]]
     for k in range(1, int(hits.max(initial=1))):
         more = np.flatnonzero(hits > k)
         drows[more] += dout[sample[starts[more] + k]]
-    return ids[starts], drows
+    return sorted_ids[starts], drows
 
 
 def embedding_sgd(table: np.ndarray, rows: np.ndarray, drows: np.ndarray, lr: float) -> None:

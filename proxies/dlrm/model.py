@@ -1,17 +1,12 @@
-"""One rank's part of DLRM: MLP replicas, the tables it owns, forward and backward in pieces.
+"""One rank's part of DLRM: MLP replicas, its embedding shards, forward and backward in pieces.
 
 Letters as in config.py: B global batch, b = B / W local batch, W ranks, NT tables, D
-embedding width, F = NT + 1, I interaction width; S = ceil(NT / W) table slots per rank.
+embedding width, F = NT + 1, I interaction width.
 
-Parallelism (as dlrm_s_pytorch's distributed mode): the MLPs are data-parallel (every rank a
-replica, its own b samples); the tables are model-parallel, table t on rank t % W in slot
-t // W. The embedding all-to-all moves arrays of (W,S,b,D): on the sender, block j (= [j])
-holds its tables' pooled embeddings of rank j's samples; after the exchange, block j holds
-rank j's tables for this rank's samples. Ranks with fewer than S tables send zero padding,
-since MPI_Alltoall needs equal blocks. The backward all-to-all is the same exchange reversed.
-
-Sample s of the global batch is local sample s % b of rank s // b, so a table's B lookups in
-order are exactly the W blocks of b in rank order.
+Parallelism: the MLPs are data-parallel (every rank a replica, its own b samples); the
+tables are model-parallel, whole, by columns or by rows (sharding.py says what moves for
+each). Sample s of the global batch is local sample s % b of rank s // b, so a table's B
+lookups in order are exactly the W blocks of b in rank order.
 """
 
 from __future__ import annotations
@@ -22,16 +17,10 @@ import numpy as np
 
 from proxies.dlrm import kernels as K
 from proxies.dlrm.config import DLRMConfig
+from proxies.dlrm.data import Synthetic
+from proxies.dlrm.sharding import RowWise, TableWise, init_table, owned_shards, slots
 
-
-def owned_tables(rank: int, world: int, tables: int) -> list[int]:
-    """Tables of `rank`, in slot order: t = rank + k W for slot k."""
-    return list(range(rank, tables, world))
-
-
-def slots(world: int, tables: int) -> int:
-    """S: table slots per rank in the all-to-all (the most tables any rank holds)."""
-    return -(-tables // world)
+__all__ = ["MLP", "DLRMShard", "init_table", "owned_shards", "slots"]
 
 
 class MLP:
@@ -98,20 +87,11 @@ class MLP:
         self.grads[...] = 0
 
 
-def init_table(seed: int, t: int, rows: int, D: int, dtype=np.float32) -> np.ndarray:
-    """dlrm_s_pytorch's init: uniform in +-sqrt(1/R), drawn per table whichever rank owns it,
-    in float32 (tables are large) and then cast, so float64 tables hold the same values."""
-    rng = np.random.default_rng([seed, 3, t])
-    table = rng.random((rows, D), dtype=np.float32)
-    table *= np.float32(2 * math.sqrt(1.0 / rows))
-    table -= np.float32(math.sqrt(1.0 / rows))
-    return table.astype(dtype, copy=False)
-
-
 class DLRMShard:
-    """The MLP replicas and the owned tables of one rank, with the saved activations between
-    the pieces of one iteration. `tables=False` skips allocating the tables (compute model or
-    none only needs the gradient buffers)."""
+    """The MLP replicas and the embedding layout of one rank (`sharding`: "table", "column"
+    or "row"; `columns`: K for "column"), with the saved activations between the pieces of
+    one iteration. `tables=False` skips allocating the tables (compute model or none only
+    needs the communication buffers)."""
 
     def __init__(
         self,
@@ -121,45 +101,41 @@ class DLRMShard:
         seed: int = 0,
         dtype=np.float32,
         tables: bool = True,
+        sharding: str = "table",
+        columns: int = 1,
     ):
         if cfg.batch % world:
             raise ValueError(f"global batch {cfg.batch} is not a multiple of {world} ranks")
         self.cfg, self.W, self.dtype = cfg, world, np.dtype(dtype)
-        self.B, self.b, self.S = cfg.batch, cfg.batch // world, slots(world, cfg.tables)
-        self.owned = owned_tables(rank, world, cfg.tables)
+        self.B, self.b = cfg.batch, cfg.batch // world
         self.bottom = MLP(cfg.bottom_layers, True, (seed, 1), dtype)
         self.top = MLP(cfg.top_layers, False, (seed, 2), dtype)
-        self.tables = (
-            {t: init_table(seed, t, cfg.rows[t], cfg.dim, dtype) for t in self.owned}
-            if tables
-            else {}
-        )
-        self.idx: dict[int, np.ndarray] = {}
+        self.data = Synthetic(seed, cfg.dense, cfg.rows, cfg.pooling)
+        if sharding == "row":
+            self.emb = RowWise(cfg, rank, world, self.data, seed, dtype, tables)
+        else:
+            K = columns if sharding == "column" else 1
+            self.emb = TableWise(cfg, rank, world, self.data, seed, dtype, K, tables)
         self.x = self.Z = self.R = self.logits = self.labels = self.d = None
         self.scale = 1.0
 
-    # -- forward -----------------------------------------------------------------------------
-    def emb_forward(self, out: np.ndarray, idx: dict[int, np.ndarray]) -> None:
-        """out (W,S,b,D) = the owned tables' bags for the whole global batch; idx[t] (B,P)."""
-        pooled = np.empty((self.B, self.cfg.dim), dtype=self.dtype)
-        for k, t in enumerate(self.owned):
-            K.embedding_bag_forward(pooled, self.tables[t], idx[t])
-            out[:, k] = pooled.reshape(self.W, self.b, -1)
-        self.idx = idx
+    @property
+    def tables(self) -> dict[int, np.ndarray]:
+        """This rank's shards by key (table-wise: the table id)."""
+        return self.emb.tables
 
+    # -- forward -----------------------------------------------------------------------------
     def bottom_forward(self, dense: np.ndarray) -> None:
         """dense (b,dense) -> x (b,D)."""
         self.x = self.bottom.forward(dense.astype(self.dtype, copy=False))
 
-    def interaction_forward(self, received: np.ndarray) -> None:
-        """received (W,S,b,D) from the all-to-all -> R (b,I)."""
+    def interaction_forward(self) -> None:
+        """The layout's bags (b,NT,D) after its exchange -> R (b,I)."""
         cfg, b = self.cfg, self.b
-        # table t = k W + j sits in block j, slot k: (b, S, W, D) puts it at column t
-        emb = received.transpose(2, 1, 0, 3).reshape(b, self.S * self.W, cfg.dim)[:, : cfg.tables]
         if self.Z is None:
             self.Z = np.empty((b, cfg.features, cfg.dim), dtype=self.dtype)
             self.R = np.empty((b, cfg.interaction), dtype=self.dtype)
-        K.interaction_forward(self.R, self.Z, self.x, emb)
+        K.interaction_forward(self.R, self.Z, self.x, self.emb.emb())
 
     def top_forward(self, labels: np.ndarray, scale: float) -> float:
         """The top MLP and the loss; returns the sum of the b losses. The backward is of
@@ -179,26 +155,18 @@ class DLRMShard:
             K.bce_backward(self.d[:, 0], self.logits, self.labels, self.scale)
         self.d = self.top.backward(l, self.d)
 
-    def interaction_backward(self, out: np.ndarray) -> None:
-        """dR -> dx (kept for the bottom MLP) and the embedding gradients, written to out
-        (W,S,b,D) for the reverse all-to-all: block j = tables of rank j, padding zero."""
+    def interaction_backward(self) -> None:
+        """dR -> dx (kept for the bottom MLP) and the bags' gradients, handed to the layout
+        for its backward exchange."""
         cfg, b = self.cfg, self.b
         dx = np.zeros((b, cfg.dim), dtype=self.dtype)
-        demb = np.zeros((b, self.S * self.W, cfg.dim), dtype=self.dtype)
-        K.interaction_backward(dx, demb[:, : cfg.tables], self.d, self.Z)
-        out[...] = demb.reshape(b, self.S, self.W, cfg.dim).transpose(2, 1, 0, 3)
+        demb = np.zeros((b, cfg.tables, cfg.dim), dtype=self.dtype)
+        K.interaction_backward(dx, demb, self.d, self.Z)
+        self.emb.set_grad(demb)
         self.d = dx
 
     def bottom_backward(self, l: int) -> None:
         self.d = self.bottom.backward(l, self.d, need_dinp=l > 0)
-
-    def emb_backward(self, received: np.ndarray, lr: float) -> None:
-        """received (W,S,b,D): block j holds the gradients of this rank's bags for rank j's
-        samples, i.e. slot k over the blocks is table k's (B,D) in global order. Sparse SGD."""
-        for k, t in enumerate(self.owned):
-            dpooled = received[:, k].reshape(self.B, self.cfg.dim)
-            rows, drows = K.embedding_bag_backward(dpooled, self.idx[t])
-            K.embedding_sgd(self.tables[t], rows, drows, lr)
 
     def step(self, lr: float) -> None:
         """SGD on the MLPs (after their gradients were summed over ranks); zero gradients."""

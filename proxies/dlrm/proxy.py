@@ -33,21 +33,18 @@ import numpy as np
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import Collective, Compute, Op, Plan, Wait
+from proxies.core.plan import Compute, Plan
 from proxies.dlrm.config import PRESETS, DLRMConfig
 from proxies.dlrm.data import Synthetic
-from proxies.dlrm.model import DLRMShard, owned_tables, slots
+from proxies.dlrm.model import DLRMShard
+from proxies.dlrm.plans import TABLE_WISE, Layout, compute_ops, plan_ops  # noqa: F401 (tests use them)
+from proxies.dlrm.sharding import owned_shards, row_range, slots
 
 PROG = "proxies.dlrm"
 DEFAULT_MODEL = "dnn-cpp-proxies"
 DEFAULT_MAX_ROWS = 1_000_000
 
-# compute=model: the C++ proxy's per-kernel A100 times (us), measured for its configuration
-# (dnn-cpp-proxies on 4 GPUs: b = 512, one table per rank). Forward of the bottom MLP, top
-# MLP, interaction and embedding lookups; the backward takes 2x, 2x, 1x, 2x (dlrm.cpp).
-CPP_US = {"bottom": 341.0, "top": 455.0, "interaction": 209.0, "emb": 95.0}
-CPP_BACKWARD = {"bottom": 2.0, "top": 2.0, "interaction": 1.0, "emb": 2.0}
-CPP_WORLD = 4
+SHARDINGS = ("auto", "table", "column", "row")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,6 +93,24 @@ def parser() -> argparse.ArgumentParser:
         f"{DEFAULT_MAX_ROWS:,})",
     )
     p.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default="auto",
+        help="how the tables are placed: table = whole tables, table t on rank t %% world "
+        "(needs tables >= ranks); column = every table's D columns cut into --column-shards "
+        "shards placed like tables; row = every table's rows cut over all ranks (TorchRec's "
+        "row-wise: ids all-to-all, pooled reduce-scatter, gradient all-gather; any world "
+        "size); auto = table when there are at least as many tables as ranks, else row "
+        "(default auto)",
+    )
+    p.add_argument(
+        "--column-shards",
+        type=cli.positive_int,
+        metavar="K",
+        help="with --sharding column: shards per table, dividing D (default: the smallest "
+        "divisor of D that gives every rank a shard)",
+    )
+    p.add_argument(
         "--lr", type=cli.positive_float, help="SGD learning rate (default: the preset's)"
     )
     p.add_argument(
@@ -118,127 +133,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- work and time per compute op ------------------------------------------------------------
-
-
-def mlp_flops(layers: list[tuple[int, int]], n: int) -> list[float]:
-    """Forward FLOPs per layer for n samples: 2 per multiply-add (biases, ReLU not counted)."""
-    return [2.0 * n * C * OC for C, OC in layers]
-
-
-def interaction_flops(cfg: DLRMConfig, n: int) -> float:
-    """The (F,F) Gram matrix of n samples, as one batched matmul."""
-    return 2.0 * n * cfg.features**2 * cfg.dim
-
-
-def emb_work(cfg: DLRMConfig, tables: int) -> float:
-    """Adds of the lookups: each owned table, B bags of P rows of D."""
-    return float(tables * cfg.batch * cfg.pooling * cfg.dim)
-
-
-def reference_work() -> dict[str, float]:
-    """Forward work of each kind in the configuration the C++ times were measured at."""
-    ref = PRESETS["dnn-cpp-proxies"]
-    b = ref.batch // CPP_WORLD
-    return {
-        "bottom": sum(mlp_flops(ref.bottom_layers, b)),
-        "top": sum(mlp_flops(ref.top_layers, b)),
-        "interaction": interaction_flops(ref, b),
-        "emb": emb_work(ref, 1),
-    }
-
-
-def compute_ops(cfg: DLRMConfig, world: int, rank: int, times: str) -> dict[str, Compute]:
-    """Every compute op of one rank, by name, with FLOPs and (times="cpp") A100 seconds."""
-    b, ref = cfg.batch // world, reference_work()
-    cpp = times == "cpp"
-
-    def op(name: str, kind: str, flops: float, work: float, backward: bool) -> Compute:
-        seconds = 0.0
-        if cpp:
-            factor = CPP_BACKWARD[kind] if backward else 1.0
-            seconds = CPP_US[kind] * 1e-6 * factor * work / ref[kind]
-        return Compute(name, flops=flops, seconds=seconds)
-
-    emb = emb_work(cfg, len(owned_tables(rank, world, cfg.tables)))
-    inter = interaction_flops(cfg, b)
-    ops = [
-        op("emb forward", "emb", emb, emb, False),
-        op("interaction forward", "interaction", inter, inter, False),
-        op("interaction backward", "interaction", 2 * inter, inter, True),
-        op("emb backward", "emb", emb, emb, True),
-    ]
-    for mlp, layers in (("bottom", cfg.bottom_layers), ("top", cfg.top_layers)):
-        fwd = mlp_flops(layers, b)
-        ops.append(op(f"{mlp} forward", mlp, sum(fwd), sum(fwd), False))
-        ops += [op(f"{mlp}.{l} backward", mlp, 2 * f, f, True) for l, f in enumerate(fwd)]
-    # SGD is not in the C++ proxy's times: zero there; 2 FLOPs per MLP parameter otherwise.
-    ops.append(Compute("optimizer", flops=0.0 if cpp else 2.0 * cfg.mlp_params))
-    return {o.name: o for o in ops}
-
-
-# -- the plan --------------------------------------------------------------------------------
-
-
-def alltoall_count(cfg: DLRMConfig, world: int) -> int:
-    """Elements of each all-to-all on every rank: (W,S,b,D), S the most tables per rank."""
-    return world * slots(world, cfg.tables) * (cfg.batch // world) * cfg.dim
-
-
-def plan_ops(cfg: DLRMConfig, world: int, rank: int, schedule: str, times: str) -> list[Op]:
-    c = compute_ops(cfg, world, rank, times)
-    comm, overlap = world > 1, schedule == "overlap"
-    a2a = alltoall_count(cfg, world)
-    mlps = {"top": cfg.top_layers, "bottom": cfg.bottom_layers}
-    ops: list[Op] = []
-    waits: list[Wait] = []
-
-    def alltoall(buf: str) -> None:
-        if comm:
-            ops.append(Collective("alltoall", "emb", buf, a2a, req=buf if overlap else ""))
-
-    def backward(mlp: str) -> None:
-        sizes = DLRMConfig.layer_params(mlps[mlp])
-        for l in reversed(range(len(sizes))):
-            ops.append(c[f"{mlp}.{l} backward"])
-            if comm and overlap:  # this layer's gradients are final: start their allreduce
-                ops.append(
-                    Collective("allreduce", "dp", f"grad:{mlp}.{l}", sizes[l], req=f"{mlp}.{l}")
-                )
-                waits.append(Wait(f"{mlp}.{l}"))
-        if comm and not overlap:
-            ops.append(Collective("allreduce", "dp", f"grad:{mlp}", sum(sizes), req=mlp))
-            waits.append(Wait(mlp))
-
-    # forward
-    ops.append(c["emb forward"])
-    alltoall("emb_fwd")
-    ops.append(c["bottom forward"])
-    if comm and overlap:
-        ops.append(Wait("emb_fwd"))
-    ops += [c["interaction forward"], c["top forward"]]
-    # backward
-    backward("top")
-    ops.append(c["interaction backward"])
-    if overlap:
-        alltoall("emb_bwd")
-    backward("bottom")
-    if comm and overlap:
-        ops.append(Wait("emb_bwd"))
-    if not overlap:
-        alltoall("emb_bwd")
-    ops.append(c["emb backward"])
-    ops += waits
-    ops.append(c["optimizer"])
-    return ops
-
-
 # -- the runtime -----------------------------------------------------------------------------
 
 
 class DLRMRuntime:
     """Buffers and compute of one rank. The model's tables exist for compute real/replay
-    only; the all-to-all and gradient buffers always (model/none move them unchanged)."""
+    only; the communication and gradient buffers always (model/none move them unchanged)."""
 
     def __init__(
         self,
@@ -248,25 +148,28 @@ class DLRMRuntime:
         seed: int,
         mode: str,
         dtype=np.float32,
+        layout: Layout = TABLE_WISE,
     ):
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.rank, self.world, self.mode = cfg, rank, world, mode
         self.B, self.b = cfg.batch, cfg.batch // world
-        self.model = DLRMShard(cfg, rank, world, seed, dtype, tables=mode in ("real", "replay"))
-        self.data = Synthetic(seed, cfg.dense, cfg.rows, cfg.pooling)
-        shape = (world, slots(world, cfg.tables), self.b, cfg.dim)
-        self.buffers = {"emb_fwd": np.zeros(shape, dtype), "emb_bwd": np.zeros(shape, dtype)}
-        m = self.model
+        self.model = DLRMShard(
+            cfg, rank, world, seed, dtype, mode in ("real", "replay"), layout.kind, layout.columns
+        )
+        m, emb = self.model, self.model.emb
+        self.data = m.data
+        self.buffers = dict(emb.buffers)
         for name, mlp in (("top", m.top), ("bottom", m.bottom)):
             self.buffers[f"grad:{name}"] = mlp.grads
             for l in range(len(mlp.layers)):
                 self.buffers[f"grad:{name}.{l}"] = mlp.grad(l)
         self.kernels = {
-            "emb forward": self._emb_forward,
+            "emb input": lambda it: emb.input(it),
+            "emb forward": lambda it: emb.forward(it),
             "bottom forward": self._bottom_forward,
-            "interaction forward": lambda it: m.interaction_forward(self.buffers["emb_fwd"]),
+            "interaction forward": lambda it: m.interaction_forward(),
             "top forward": self._top_forward,
-            "interaction backward": lambda it: m.interaction_backward(self.buffers["emb_bwd"]),
-            "emb backward": lambda it: m.emb_backward(self.buffers["emb_bwd"], cfg.lr),
+            "interaction backward": lambda it: m.interaction_backward(),
+            "emb backward": lambda it: emb.backward(cfg.lr),
             "optimizer": lambda it: m.step(cfg.lr),
         }
         for name, mlp, step in (
@@ -276,11 +179,6 @@ class DLRMRuntime:
             for l in range(len(mlp.layers)):
                 self.kernels[f"{name}.{l} backward"] = lambda it, l=l, step=step: step(l)
         self.loss_sum, self.loss_count = 0.0, 0
-
-    def _emb_forward(self, it: int) -> None:
-        g0 = it * self.B  # the iteration's global batch is samples g0 .. g0 + B - 1
-        idx = {t: self.data.sparse(g0, self.B, t) for t in self.model.owned}
-        self.model.emb_forward(self.buffers["emb_fwd"], idx)
 
     def _bottom_forward(self, it: int) -> None:
         self.model.bottom_forward(self.data.dense(it * self.B + self.rank * self.b, self.b))
@@ -292,6 +190,10 @@ class DLRMRuntime:
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
         return self.buffers[name]
+
+    def alltoallv(self, name: str, iteration: int):
+        """Row-wise ids: (send, send counts, receive buffer, receive counts)."""
+        return self.model.emb.alltoallv(name, iteration, real=self.mode == "real")
 
     def compute(self, op: Compute, iteration: int) -> None:
         self.kernels[op.name](iteration)
@@ -325,36 +227,107 @@ def describe_rows(rows: tuple[int, ...]) -> str:
     return f"{len(rows)} tables, {min(rows):,}..{max(rows):,} rows ({sum(rows):,} in all)"
 
 
+def choose_layout(args, cfg: DLRMConfig, world: int) -> Layout:
+    """The sharding of --sharding / --column-shards, or a usage error."""
+    NT, D, kind = cfg.tables, cfg.dim, args.sharding
+    if args.column_shards and kind != "column":
+        raise cli.UsageError(f"--column-shards applies to --sharding column, not --sharding {kind}")
+    if kind == "auto":  # table-wise sends the least where it fits; row-wise fits any world
+        kind = "table" if NT >= world else "row"
+    if kind == "table" and NT < world:
+        raise cli.UsageError(
+            f"{NT} embedding tables for {world} ranks: table-wise sharding places whole "
+            f"tables (table t on rank t % {world}) and every rank needs one; use at most "
+            f"{NT} ranks, --tables {world} or more, or --sharding row or column"
+        )
+    if kind != "column":
+        return Layout(kind)
+    K = args.column_shards
+    if K is None:  # the smallest split of D that gives every rank a shard
+        K = next((k for k in range(1, D + 1) if D % k == 0 and NT * k >= world), None)
+        if K is None:
+            raise cli.UsageError(
+                f"{NT} tables x D = {D} columns give at most {NT * D} column shards, fewer "
+                f"than {world} ranks; use --sharding row"
+            )
+    if D % K:
+        raise cli.UsageError(f"--column-shards {K} does not divide the embedding dimension D = {D}")
+    if NT * K < world:
+        raise cli.UsageError(
+            f"{NT} tables x {K} column shards = {NT * K} shards for {world} ranks: every "
+            f"rank needs one; use more --column-shards (dividing D = {D}) or --sharding row"
+        )
+    return Layout("column", K)
+
+
+def describe_layout(layout: Layout, cfg: DLRMConfig, world: int) -> str:
+    NT, D = cfg.tables, cfg.dim
+    if layout.kind == "row":
+        lo, hi = row_range(max(cfg.rows), world, 0)
+        return (
+            f"tables row-wise (every table's rows in {world} blocks of ceil(R / {world}), "
+            f"rank 0 holds {hi - lo:,} rows of the largest)"
+        )
+    NS, S = layout.shards(cfg), slots(world, layout.shards(cfg))
+    padding = world * S - NS
+    what = (
+        f"table t on rank t % {world}"
+        if layout.kind == "table"
+        else f"{NT} x {layout.columns} column shards of {D // layout.columns}, shard "
+        f"u = t {layout.columns} + k on rank u % {world}"
+    )
+    return (
+        f"tables {layout.kind}-wise ({what}, up to {S} per rank"
+        + (f"; {padding} empty slot(s) sent as zero padding" if padding else "")
+        + ")"
+    )
+
+
+def describe_messages(layout: Layout, cfg: DLRMConfig, world: int) -> str:
+    n = layout.messages(cfg, world)
+    if layout.kind != "row":
+        a2a = n["alltoall"]
+        return (
+            f"embedding all-to-all {a2a:,} floats ({a2a * 4:,} B) forward and backward "
+            f"({a2a // world:,} per peer)"
+        )
+    return (
+        f"ids all-to-alls (int64): splits {n['splits']:,}, lengths {n['lengths']:,}, "
+        f"ids {n['ids']:,} sent (split by owner as the data falls); pooled reduce-scatter "
+        f"{n['reduce_scatter']:,} floats ({n['reduce_scatter'] * 4:,} B) forward, gradient "
+        f"all-gather {n['allgather']:,} floats backward"
+    )
+
+
 def make_job(args, world: int) -> runner.Job:
     cfg, uncapped = resolve(args)
     NT, B = cfg.tables, cfg.batch
-    if NT < world:
-        raise cli.UsageError(
-            f"{NT} embedding tables for {world} ranks: tables are model-parallel (whole "
-            f"tables, table t on rank t % {world}) and every rank needs one; use at most "
-            f"{NT} ranks or --tables {world} or more"
-        )
     if B % world:
         raise cli.UsageError(
             f"global batch {B} is not a multiple of the world size {world} (the MLPs are "
             f"data-parallel: each rank trains batch / world samples); set --batch"
         )
+    layout = choose_layout(args, cfg, world)
     grid = ProcessGrid.create("dp", dp=world)
-    S, b = slots(world, NT), B // world
+    b = B // world
+    S = slots(world, layout.shards(cfg))
     everyone = tuple(range(world))
-    a2a = alltoall_count(cfg, world)
+    msgs = layout.messages(cfg, world)
 
     def plan(rank: int) -> Plan:
-        ops = plan_ops(cfg, world, rank, args.schedule, args.model_times)
+        ops = plan_ops(cfg, world, rank, args.schedule, args.model_times, layout)
         return Plan(rank, tuple(ops), {"dp": everyone, "emb": everyone}, {"dp": rank})
 
     def label(rank: int) -> str:
-        mine = owned_tables(rank, world, NT)
+        if layout.kind == "row":
+            return f"rank {rank}: rows of every table"
+        mine = owned_shards(rank, world, layout.shards(cfg))
         shown = ",".join(map(str, mine[:6])) + (",..." if len(mine) > 6 else "")
-        return f"rank {rank}: {len(mine)} table{'s' * (len(mine) != 1)} ({shown})"
+        what = "table" if layout.kind == "table" else "shard"
+        return f"rank {rank}: {len(mine)} {what}{'s' * (len(mine) != 1)} ({shown})"
 
     def runtime(rank, MPI, comms, mode):
-        return DLRMRuntime(cfg, rank, world, args.seed, mode)
+        return DLRMRuntime(cfg, rank, world, args.seed, mode, layout=layout)
 
     capped = cfg.rows != uncapped
     config = {
@@ -374,8 +347,11 @@ def make_job(args, world: int) -> runner.Job:
         "global_batch": B,
         "local_batch": b,
         "dp": world,
-        "table_slots": S,
-        "alltoall_count": a2a,
+        "sharding": layout.kind,
+        "column_shards": layout.columns,
+        "table_slots": S if layout.kind != "row" else None,
+        "alltoall_count": msgs.get("alltoall"),
+        "messages": msgs,
         "schedule": args.schedule,
         "model_times": args.model_times,
         "compute": args.compute,
@@ -388,7 +364,7 @@ def make_job(args, world: int) -> runner.Job:
         "allreduce": args.allreduce,
         "device_tflops": args.device_tflops,
     }
-    padding = world * S - NT
+    padding = world * S - layout.shards(cfg)
     top = "-".join(map(str, [cfg.interaction, *cfg.top]))
     bottom = "-".join(map(str, [cfg.dense, *cfg.bottom]))
     source = Synthetic(args.seed, cfg.dense, cfg.rows, cfg.pooling)
@@ -403,13 +379,10 @@ def make_job(args, world: int) -> runner.Job:
         + f", {cfg.pooling} index(es) per bag · bottom MLP {bottom} · dot interaction of "
         f"{cfg.features} vectors · top MLP {top} · {cfg.mlp_params:,} MLP + "
         f"{cfg.embedding_params:,} embedding parameters",
-        f"grid: {world} ranks · MLPs data-parallel ({b} of the {B} samples per rank) · tables "
-        f"model-parallel (table t on rank t % {world}, up to {S} per rank"
-        + (f"; {padding} empty slot(s) sent as zero padding" if padding else "")
-        + f") · schedule {args.schedule}",
+        f"grid: {world} ranks · MLPs data-parallel ({b} of the {B} samples per rank) · "
+        f"{describe_layout(layout, cfg, world)} · schedule {args.schedule}",
         (
-            f"messages per rank: embedding all-to-all {a2a:,} floats ({a2a * 4:,} B) forward "
-            f"and backward ({a2a // world:,} per peer); gradient allreduce "
+            f"messages per rank: {describe_messages(layout, cfg, world)}; gradient allreduce "
             + (
                 f"per layer as issued, top {'/'.join(f'{n:,}' for n in reversed(sizes[0]))}, "
                 f"bottom {'/'.join(f'{n:,}' for n in reversed(sizes[1]))} floats"
@@ -436,8 +409,9 @@ def make_job(args, world: int) -> runner.Job:
         grad_categories=frozenset({"dp_allreduce"}),  # the MLPs' (embeddings: all-to-all)
     )
     # Replay measures on one rank per group and shares: fine when every rank holds as many
-    # tables; otherwise each rank measures its own ops ("self" names no group).
-    job.replay_share = "dp" if padding == 0 else "self"
+    # tables; otherwise each rank measures its own ops ("self" names no group). Row-wise
+    # lookups depend on which ids fall in a rank's rows: each measures its own.
+    job.replay_share = "dp" if padding == 0 and layout.kind != "row" else "self"
     return job
 
 
