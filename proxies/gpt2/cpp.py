@@ -21,7 +21,7 @@ is B x T x C floats: 808,960 at B = 1, T = 632, C = 1280.
 
 Not copied: the C++ proxy gives every stage LAYERS // STAGES layers and drops the rest; here
 every layer is kept (proxy.split_layers: the first LAYERS % STAGES stages take one more). Its
-parameter counts are 32-bit ints (the printed total wraps past ~103 layers); ours are Python
+parameter counts are 32-bit ints (the printed total wraps from 103 layers on); ours are Python
 ints. With one stage it would send to a rank its pipeline communicator does not have; here a
 one-stage pipeline sends nothing and its only stage carries wte + wpe in its first message
 and ln_f in its last (the C++ stage-0 branch would leave ln_f out).
