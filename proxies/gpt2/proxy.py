@@ -6,9 +6,12 @@ Each rank holds one stage (a contiguous run of layers; stage 0 also the embeddin
 last stage the final layernorm and the tied LM head) of one data-parallel replica. One
 iteration: the pipeline schedule over M micro-batches (activations forward, activation
 gradients backward), then the stage's gradients allreduced in its data-parallel group (one
-fused buffer, as the C++ proxy; or, with --grad-sync buckets, bucket by bucket while the last
+fused buffer by default; or, with --grad-sync buckets, bucket by bucket while the last
 micro-batch's backward still runs, as PyTorch DDP), then the tied token-embedding gradient
 summed between the first and last stage (Megatron's embedding group), then AdamW.
+
+--schedule cpp (the default of --model dnn-cpp-proxies) is instead the C++ proxy's iteration
+message for message: no compute, one allreduce per layer, no embedding allreduce (cpp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
 from proxies.core.schedules import SCHEDULES
+from proxies.gpt2 import cpp
 from proxies.gpt2.config import (
     PRESETS,
     GPT2Config,
@@ -73,30 +77,32 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        choices=sorted(PRESETS),
+        choices=sorted([*PRESETS, cpp.PRESET]),
         default=DEFAULT_MODEL,
         help=f"preset widths (default {DEFAULT_MODEL}: C=64, light enough for 32 ranks on 2 "
-        "cores; gpt2 is the 124M model, C=768)",
+        f"cores; gpt2 is the 124M model, C=768); {cpp.PRESET}: the C++ proxy's GPT-2 "
+        f"({cpp.WIDTHS} widths, 36 layers), whose defaults are --seq-len 632 --micro-batch 1 "
+        "--schedule cpp --compute none",
     )
     p.add_argument(
         "--seq-len",
         type=cli.positive_int,
-        default=64,
         metavar="T",
-        help="tokens per sample (default 64)",
+        help=f"tokens per sample (default 64; 632 for {cpp.PRESET})",
     )
     p.add_argument(
         "--micro-batch",
         type=cli.positive_int,
-        default=1,
         metavar="B",
         help="samples per micro-batch (default 1)",
     )
     p.add_argument(
         "--schedule",
-        choices=("1f1b", "gpipe"),
-        default="1f1b",
-        help="1f1b (default) or gpipe: all forwards, then all backwards (the C++ proxy's order)",
+        choices=("1f1b", "gpipe", "cpp"),
+        help="1f1b (default), gpipe (all forwards, then all backwards), or cpp: the C++ "
+        "proxy's iteration message for message (all forward messages, all backward "
+        "messages, one blocking allreduce per layer, no tied-embedding allreduce; "
+        f"communication only; the default of --model {cpp.PRESET})",
     )
     p.add_argument(
         "--order",
@@ -108,10 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grad-sync",
         choices=("fused", "per-tensor", "buckets"),
-        default="fused",
         help="data-parallel gradient allreduce: fused, one buffer per stage after the pipeline "
-        "(as the C++ proxy; the default); per-tensor, one message per parameter tensor (the "
-        "C++ proxy without aggregation); buckets, each started non-blocking as soon as the "
+        "(the default); per-tensor, one message per parameter tensor (the tensors the C++ "
+        "proxy sends with its aggregation off); buckets, each started non-blocking as soon as the "
         "last micro-batch's backward has finished its layers, overlapping the rest of that "
         "backward (PyTorch DDP), and completed after the pipeline (not with --zero 1)",
     )
@@ -139,7 +144,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
-    cli.add_common(p)
+    cli.add_common(
+        p,
+        compute=None,  # resolved in make_job (cpp.resolve): real, or none for --schedule cpp
+        compute_help=cli.COMPUTE_HELP + " (default real; none with --schedule cpp, the only "
+        "mode it allows)",
+    )
     return p
 
 
@@ -375,7 +385,8 @@ def gradient_sync(
 
 
 def make_job(args, world: int) -> runner.Job:
-    cfg = PRESETS[args.model]
+    cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
+    cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
     cfg = cfg.with_layers(L)
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
@@ -413,23 +424,28 @@ def make_job(args, world: int) -> runner.Job:
         grid = ProcessGrid.create(args.order, pp=pp, dp=dp)
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
+    parity = args.schedule == "cpp"
+    schedule = SCHEDULES["gpipe" if parity else args.schedule]
     source = None
     if args.data and not args.dry_run:
         try:
             source = TokenFile(args.data, cfg.vocab_size, T)
         except DataError as e:
             raise cli.UsageError(str(e)) from None
-    elif not args.data:
+    elif not args.data and not parity:  # the C++ schedule trains nothing: no data
         source = Synthetic(args.seed, cfg.vocab_size, T)
     split = split_layers(L, pp)
     act = B * T * cfg.n_embd
-    schedule = SCHEDULES[args.schedule]
 
     def plan(rank: int) -> Plan:
         c = grid.coords(rank)
         s = c["pp"]
         first, last = s == 0, s == pp - 1
         pp_ranks = grid.group("pp", rank)
+        groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
+        if parity:
+            ops = cpp.cpp_ops(cfg, split[s], s, pp_ranks, m, act, dp)
+            return Plan(rank, tuple(ops), groups, c)
         fwd = stage_flops(cfg, split[s], last, B, T)
         actions = schedule(pp, m, s)
         ops = pipeline_ops(
@@ -440,7 +456,6 @@ def make_job(args, world: int) -> runner.Job:
             act,
             flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
         )
-        groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
         if pp > 1 and (first or last):
             groups["embed"] = (pp_ranks[0], pp_ranks[-1])
         posted = []
@@ -483,7 +498,7 @@ def make_job(args, world: int) -> runner.Job:
         "seed": args.seed,
         "iters": args.iters,
         "warmup": args.warmup,
-        "data": args.data or "synthetic",
+        "data": args.data or ("none" if parity else "synthetic"),
         "check": args.check,
         "allreduce": args.allreduce,
         "grad_sync": args.grad_sync,
@@ -493,7 +508,9 @@ def make_job(args, world: int) -> runner.Job:
         "layers_per_stage": [len(r) for r in split],
     }
     sync = args.grad_sync
-    if args.zero and dp > 1:
+    if parity:
+        sync = "one blocking allreduce per layer (the C++ proxy's), no tied-embedding allreduce"
+    elif args.zero and dp > 1:
         sync = "ZeRO-1 (reduce-scatter, allgather)"
     elif buckets:
         size = f"{args.bucket_mb:g} MiB" if args.bucket_mb else "one per layer"
@@ -507,7 +524,7 @@ def make_job(args, world: int) -> runner.Job:
         f"(global batch {B * m * dp} samples)",
         f"messages: activation {act:,} floats ({act * 4:,} B); gradients per layer "
         f"{cfg.layer_params:,} floats · gradient sync {sync} · data: "
-        + (source.describe() if source is not None else args.data)
+        + (source.describe() if source is not None else args.data or "none")
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
     return runner.Job(
