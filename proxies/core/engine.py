@@ -313,7 +313,7 @@ class Engine:
             )
         if self.check and self.mode != "real":
             check.fill(buf, self._seed(op))
-        state = check.before(MPI, op.kind, comm, buf) if self.check else None
+        state = check.before(MPI, op.kind, comm, buf, op.unit) if self.check else None
         spin = blocking and not self.waiter.yielding
         # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
         # being elementwise, is also cut into pieces.
@@ -325,8 +325,10 @@ class Engine:
             collectives.allreduce(comm, flat, self.allreduce, wait=wait)
         elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM)) for piece in _pieces(buf)]
-        elif op.kind in ("allgather", "reduce_scatter") and flat.size % n:
-            counts = [b.size for b in check.blocks(flat, n)]
+        elif op.kind in ("allgather", "reduce_scatter") and (
+            len({b.size for b in check.blocks(flat, n, op.unit)}) > 1
+        ):
+            counts = [b.size for b in check.blocks(flat, n, op.unit)]
             displs = np.cumsum([0] + counts[:-1]).tolist()
             spec = [flat, (counts, displs), MPI._typedict[flat.dtype.char]]
             calls = [
@@ -362,10 +364,10 @@ class Engine:
         comm = self.comms[op.group]
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
-            blocks = check.blocks(buf, comm.size)
+            blocks = check.blocks(buf, comm.size, op.unit)
             blocks[comm.rank][...] = buf.reshape(-1)[: blocks[comm.rank].size]
         if self.check:
-            error = check.verify(self.MPI, op.kind, comm, buf, state)
+            error = check.verify(self.MPI, op.kind, comm, buf, state, op.unit)
             if error:
                 raise CheckError(
                     f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "
