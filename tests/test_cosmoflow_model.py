@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from proxies.core import check
 from proxies.core.plan import P2P, Collective, Compute, Wait
 from proxies.cosmoflow.config import PRESETS, CosmoFlowConfig
 from proxies.cosmoflow.proxy import make_job, parser
@@ -52,19 +53,18 @@ def collective(plans, rts, ops) -> None:
     for members in groups:
         bufs = [rts[r].buffer(ops[r].buf, ops[r].mb, 0) for r in members]
         kind, g = ops[members[0]].kind, len(members)
-        blocks = [b.reshape(g, -1) for b in bufs] if kind != "allreduce" else []
+        blocks = [check.blocks(b, g, ops[r].unit) for r, b in zip(members, bufs, strict=True)]
         if kind == "allreduce":
             total = np.sum(bufs, axis=0)
             for b in bufs:
                 b[...] = total
-        elif kind == "allgather":
-            whole = np.stack([blocks[j][j] for j in range(g)])
+        elif kind == "allgather":  # block j from member j, as the engine splits the array
             for b in blocks:
-                b[...] = whole
+                for j in range(g):
+                    b[j][...] = blocks[j][j]
         elif kind == "reduce_scatter":
-            total = np.sum(blocks, axis=0)
-            for j, b in enumerate(blocks):
-                b[j] = total[j]
+            for j in range(g):
+                blocks[j][j][...] = np.sum([b[j] for b in blocks], axis=0)
         else:
             raise AssertionError(kind)
 
@@ -89,6 +89,25 @@ def reference():
 )
 def test_sharded_equals_unsharded(reference, world, argv):
     got = run_in_process(world, [*TINY, *argv])
+    assert got == pytest.approx(reference, rel=1e-10)
+
+
+# Grids whose shards do not divide the dense widths 16-6-4 (uneven column slices, shards
+# without any column of a layer), each with the dense layers split and replicated.
+@pytest.mark.parametrize("dense", ["split", "replicate"])
+@pytest.mark.parametrize(
+    "world,argv",
+    [
+        (8, ["--shards", "2x4"]),  # dense1 6 columns: 1 on shards 0-5, 0 on 6-7
+        (8, ["--shards", "4x2"]),
+        (16, ["--shards", "4x4"]),  # dense1 and dense2 on shards 0-5 / 0-3 only
+        (16, ["--shards", "2x4", "--order", "dp-sp"]),  # and 2 replicas of 1 sample
+        (4, ["--shards", "2x2"]),  # 6 columns: 2, 2, 1, 1
+    ],
+    ids=str,
+)
+def test_any_grid_equals_unsharded(reference, world, argv, dense):
+    got = run_in_process(world, [*TINY, *argv, "--dense", dense])
     assert got == pytest.approx(reference, rel=1e-10)
 
 

@@ -32,10 +32,21 @@ def eight(tmp_path_factory):
     return run(tmp_path_factory.mktemp("eight"), 8, "--shards", "4", timeout=240)
 
 
-@pytest.mark.parametrize("ranks,shards", [(2, "2"), (4, "4")])
-def test_spatial_shards_train_like_one_process(tmp_path, reference, ranks, shards):
-    got = run(tmp_path, ranks, "--shards", shards)
+# 4 shards (2x2) split dense1's 6 columns 2, 2, 1, 1: Allgatherv / Reduce_scatter.
+@pytest.mark.parametrize(
+    "ranks,shards,dense", [(2, "2", "split"), (4, "4", "split"), (4, "4", "replicate")]
+)
+def test_spatial_shards_train_like_one_process(tmp_path, reference, ranks, shards, dense):
+    got = run(tmp_path, ranks, "--shards", shards, "--dense", dense, "--check")
     assert got["config"]["sp"] == ranks and got["config"]["global_batch"] == 2
+    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+
+
+def test_eight_shards_2x4_train_like_one_process(tmp_path, reference):
+    """8 spatial shards, dense 16-6-4 split unevenly (dense1 on 6 shards, dense2 on 4: some
+    gathered blocks are empty), every message verified."""
+    got = run(tmp_path, 8, "--shards", "2x4", "--check", timeout=240)
+    assert got["grid"] == {"order": "sp-dp", "sp": 8, "dp": 1}
     assert got["loss"] == pytest.approx(reference["loss"], rel=1e-4)
 
 
@@ -51,7 +62,7 @@ def test_breakdown_separates_exposed_and_hidden(eight):
         assert {kind, kind + "_hidden"} <= cats
     assert {"compute", "data", "halo", "sp_allgather", "sp_reduce_scatter", "idle"} <= cats
     # Bytes per rank per iteration: conv weights 27*Ci*Co + Co per layer, over every rank.
-    conv = sum(27 * ci * co + co for ci, co in [(4, 4), (4, 8), (8, 8), (8, 16)])
+    conv = sum(27 * ci * co + co for ci, co in [(4, 4), (4, 8), (8, 16)])
     assert eight["bytes"]["conv_allreduce"] == [4 * conv] * 8
     assert all(n > 0 for n in eight["bytes"]["halo_send"])
 
@@ -104,16 +115,17 @@ def test_check_catches_a_corrupted_halo():
         env={"PROXIES_FAULT": "corrupt:0"},
     )
     assert r.returncode != 0
-    assert "--check: rank 1 received conv1.x.from_w mb 0 from rank 0" in r.stderr
+    # the first message: conv0's input halo
+    assert "--check: rank 1 received conv0.x.from_w mb 0 from rank 0" in r.stderr
 
 
 BAD = [
     (3, ["--shards", "2"], "world size 3 is not a multiple of --shards 2"),
-    (4, ["--shards", "4x1"], "H = 32 split 4 ways is 8 voxels per shard"),
+    (4, ["--shards", "8x1", "--dry-run", "--world-size", "8"], "H = 32 split 8 ways is 4"),
     (4, ["--shards", "2", "--global-batch", "3"], "--global-batch 3 is not divisible by the 2"),
     (2, ["--shards", "two"], "--shards: expected a count like 4"),
     (2, ["--model", "dnn-cpp-proxies", "--compute", "real"], "--compute real needs"),
-    (1, ["--model", "cosmoflow", "--shards", "8", "--dry-run", "--world-size", "8"], "dense"),
+    (2, ["--model", "dnn-cpp-proxies", "--dense", "replicate"], "--dense replicate needs"),
 ]
 
 

@@ -1,9 +1,10 @@
 """The CosmoFlow proxy's plans, without MPI: the C++ proxy's message sizes and times, shard
-layouts, validity (deadlock, matching) for many layouts, and bad layouts refused."""
+layouts, conv0's input halo, uneven and replicated dense layers, validity (deadlock,
+matching) for many layouts, and bad layouts refused."""
 
 import pytest
 
-from proxies.core import cli
+from proxies.core import check, cli
 from proxies.core.plan import P2P, Collective, Compute
 from proxies.core.simulate import simulate
 from proxies.cosmoflow.config import PRESETS, Shards, parse_shards
@@ -34,6 +35,10 @@ def test_cpp_proxy_message_sizes(world):
         plan = j.plan(rank)
         for phase, sizes in (("forward", CPP_FWD_HALO), ("backward", CPP_BWD_HALO)):
             ops = halo_ops(plan, phase)
+            # conv1..conv4 only: the C++ proxy sends no conv0 halo, and neither do we here
+            assert [op.name[-5:] for op in ops] == [f"conv{n}" for n in range(1, 5)][
+                :: 1 if phase == "forward" else -1
+            ]
             assert [{m.count for m in op.sends + op.recvs} for op in ops] == [{n} for n in sizes]
             for op in ops:  # the C++ proxy's neighbours: shard rank ^ 1 and rank ^ 2
                 assert {m.peer for m in op.sends} == {m.peer for m in op.recvs}
@@ -88,21 +93,109 @@ def test_exact_halos_include_the_diagonal():
     assert {m.peer for m in op.sends} == {1, 2, 3}
 
 
+def test_conv0_exchanges_the_input_halo():
+    """2x4 tiny, B 2: conv0's input per shard is 32 x 16 x 8 voxels x 4 channels. Shard 1
+    (row 0, column 1) has w, e, sw, s, se neighbours: faces B*D*h*C along W, B*D*w*C along
+    H, edges B*D*C to the diagonals; the same counts come back; no backward conv0 halo."""
+    j = job(["--shards", "2x4", "--dry-run"], 8)
+    plan = j.plan(1)
+    (op,) = [op for op in halo_ops(plan, "forward") if op.name.endswith("conv0")]
+    face_we, face_ns, edge = 2 * 32 * 16 * 4, 2 * 32 * 8 * 4, 2 * 32 * 4
+    assert {m.buf: (m.peer, m.count) for m in op.sends} == {
+        "conv0.x.to_w": (0, face_we),
+        "conv0.x.to_e": (2, face_we),
+        "conv0.x.to_sw": (4, edge),
+        "conv0.x.to_s": (5, face_ns),
+        "conv0.x.to_se": (6, edge),
+    }
+    assert sorted(m.count for m in op.recvs) == sorted(m.count for m in op.sends)
+    assert not [op for op in halo_ops(plan, "backward") if op.name.endswith("conv0")]
+    # It comes right after the data, before conv0.
+    names = [op.name for op in plan.ops[:3]]
+    assert names == ["data", "halo forward conv0", "conv0.forward"]
+
+
+def dense_collectives(plan):
+    return [
+        (op.kind, op.group, op.buf, op.count, op.unit)
+        for op in plan.ops
+        if isinstance(op, Collective) and op.buf.startswith("dense")
+    ]
+
+
+def test_uneven_dense_split():
+    """4x4 tiny, B 2, 1 replica: dense 16-6-4 over 16 shards. dense0 16 columns, 1 each; dense1
+    6 columns, on shards 0-5; dense2 4 columns, on shards 0-3. Gathered inputs: the conv
+    output (2 x 1,024), then whole columns of 2 samples."""
+    F = 4 * 4 * 4 * 16  # 32^3 pooled 3 times x 16 channels
+
+    def held(shard: int) -> int:
+        """(I + 1) x the columns of every layer the shard holds."""
+        cols = [1, int(shard < 6), int(shard < 4)]
+        return sum((i + 1) * c for i, c in zip([F, 16, 6], cols, strict=True))
+
+    j = job(["--shards", "4x4", "--dry-run"], 16)
+    for rank in range(16):
+        plan = j.plan(rank)
+        assert dense_collectives(plan) == [
+            ("allgather", "sp", "dense0.in", 2 * F, 1),
+            ("allgather", "sp", "dense1.in", 2 * 16, 2),
+            ("allgather", "sp", "dense2.in", 2 * 6, 2),
+            ("reduce_scatter", "sp", "dense2.din", 2 * 6, 2),
+            ("reduce_scatter", "sp", "dense1.din", 2 * 16, 2),
+            ("reduce_scatter", "sp", "dense0.din", 2 * F, 1),
+        ]
+        rt = j.runtime(rank, None, None, "none")
+        assert rt.bufs["dense.grads"].size == held(rank)
+        assert not [op for op in plan.ops if getattr(op, "buf", "") == "dense.grads"]  # 1 replica
+    # The engine's blocks of dense2.in: shard s's 2 x (its dense1 columns).
+    sizes = [b.size for b in check.blocks(rt.bufs["dense2.in"], 16, 2)]
+    assert sizes == [2] * 6 + [0] * 10
+    # 2 replicas: each shard's slice allreduced with its replica partner's.
+    j = job(["--shards", "4x4", "--dry-run"], 32)
+    for rank in (0, 5, 9, 21):
+        (ar,) = [op for op in j.plan(rank).ops if getattr(op, "buf", "") == "dense.grads"]
+        assert (ar.group, ar.count) == ("dp", held(rank % 16))
+
+
+def test_replicated_dense():
+    """--dense replicate, 2x4 x 2 replicas: one allgather (the conv output), no
+    reduce-scatter, every dense weight ((F+1)*16 + 17*6 + 7*4) allreduced over all ranks."""
+    j = job(["--shards", "2x4", "--dense", "replicate", "--dry-run"], 16)
+    F = 4 * 4 * 4 * 16
+    for rank in (0, 7, 12):
+        plan = j.plan(rank)
+        assert dense_collectives(plan) == [
+            ("allgather", "sp", "dense0.in", 2 * F, 1),
+            ("allreduce", "world", "dense.grads", (F + 1) * 16 + 17 * 6 + 7 * 4, 1),
+        ]
+        flops = {op.name: op.flops for op in plan.ops if isinstance(op, Compute)}
+        assert flops["dense1.forward"] == 2 * 2 * 16 * 6  # the whole layer, on every shard
+
+
 @pytest.mark.parametrize(
-    "model,world,shards",
+    "model,world,shards,dense",
     [
-        ("cosmoflow-tiny", 1, "1"),
-        ("cosmoflow-tiny", 2, "2"),
-        ("cosmoflow-tiny", 8, "4"),
-        ("cosmoflow-tiny", 16, "2x1"),
-        ("cosmoflow", 16, "1x4"),
-        ("cosmoflow", 48, "2x2"),
-        ("dnn-cpp-proxies", 64, "4"),
+        ("cosmoflow-tiny", 1, "1", "split"),
+        ("cosmoflow-tiny", 2, "2", "split"),
+        ("cosmoflow-tiny", 8, "4", "split"),
+        ("cosmoflow-tiny", 16, "2x1", "split"),
+        ("cosmoflow-tiny", 8, "2x4", "split"),
+        ("cosmoflow-tiny", 16, "4x2", "replicate"),
+        ("cosmoflow-tiny", 32, "4x4", "split"),
+        ("cosmoflow-tiny", 16, "4x4", "replicate"),
+        ("cosmoflow", 16, "1x4", "split"),
+        ("cosmoflow", 48, "2x2", "split"),
+        ("cosmoflow", 16, "2x4", "split"),
+        ("cosmoflow", 32, "4x4", "replicate"),
+        ("dnn-cpp-proxies", 64, "4", "split"),
+        ("dnn-cpp-proxies", 16, "2x4", "split"),
     ],
 )
 @pytest.mark.parametrize("compute", ["model", "none"])
-def test_plans_are_valid(model, world, shards, compute):
-    j = job(["--model", model, "--shards", shards, "--compute", compute, "--dry-run"], world)
+def test_plans_are_valid(model, world, shards, dense, compute):
+    argv = ["--model", model, "--shards", shards, "--dense", dense, "--compute", compute]
+    j = job([*argv, "--dry-run"], world)
     plans = [j.plan(r) for r in range(world)]
     sim = simulate(plans)
     assert sim.time == 0.0
@@ -124,10 +217,12 @@ def test_shards_parse(text, want):
         (["--shards", "4"], 6, "world size 6 is not a multiple of --shards 4"),
         (["--shards", "0"], 4, "--shards"),
         (["--shards", "2x"], 4, "--shards"),
-        (["--shards", "4x1"], 4, "H = 32 split 4 ways is 8 voxels per shard"),
+        (["--shards", "8x1"], 8, "H = 32 split 8 ways is 4 voxels per shard"),
+        (["--shards", "3"], 3, "W = 32 split 3 ways is 10.6667 voxels per shard"),
+        (["--model", "cosmoflow", "--shards", "8x8"], 64, "H = 128 split 8 ways is 16 voxels"),
         (["--shards", "2", "--global-batch", "3"], 4, "--global-batch 3 is not divisible"),
-        (["--model", "cosmoflow", "--shards", "8"], 8, "dense widths 128-64-4"),
         (["--model", "dnn-cpp-proxies", "--compute", "real"], 4, "--compute real needs"),
+        (["--model", "dnn-cpp-proxies", "--dense", "replicate"], 4, "--dense replicate needs"),
         (["--momentum", "1.5"], 4, "--momentum 1.5"),
     ],
 )

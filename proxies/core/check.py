@@ -51,26 +51,29 @@ def weighted_sums(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def blocks(buf: np.ndarray, n: int) -> list[np.ndarray]:
-    """The n blocks of a collective's whole array: sizes differ by at most one element, the
-    larger ones first (np.array_split), so any count works."""
-    return np.array_split(buf.reshape(-1), n)
+def blocks(buf: np.ndarray, n: int, unit: int = 1) -> list[np.ndarray]:
+    """The n blocks of a collective's whole array: sizes differ by at most one element (one
+    `unit` of elements when unit > 1), the larger ones first (np.array_split), so any count
+    works."""
+    if unit == 1:
+        return np.array_split(buf.reshape(-1), n)
+    return [b.reshape(-1) for b in np.array_split(buf.reshape(-1, unit), n)]
 
 
-def before(MPI, kind: str, comm, buf: np.ndarray):
+def before(MPI, kind: str, comm, buf: np.ndarray, unit: int = 1):
     """What to remember of this rank's input, collectively exchanged where needed."""
     n = comm.size
     if kind in ("allreduce", "reduce"):
         return weighted_sums(buf)
     if kind == "reduce_scatter":
-        return np.array([weighted_sums(b) for b in blocks(buf, n)])
+        return np.array([weighted_sums(b) for b in blocks(buf, n, unit)])
     if kind == "allgather":
-        mine = np.array([crc(blocks(buf, n)[comm.rank])], dtype=np.int64)
+        mine = np.array([crc(blocks(buf, n, unit)[comm.rank])], dtype=np.int64)
         every = np.empty(n, dtype=np.int64)
         comm.Allgather(mine, every)
         return every
     if kind == "alltoall":
-        sent = np.array([crc(b) for b in blocks(buf, n)], dtype=np.int64)
+        sent = np.array([crc(b) for b in blocks(buf, n, unit)], dtype=np.int64)
         got = np.empty(n, dtype=np.int64)
         comm.Alltoall(sent, got)  # got[i]: crc of the block rank i addressed to us
         return got
@@ -100,14 +103,14 @@ def verify_v(recv: np.ndarray, rcounts, state) -> str | None:
     return f"block {bad[0]} of {len(got)} differs from what rank {bad[0]} sent" if bad else None
 
 
-def verify(MPI, kind: str, comm, buf: np.ndarray, state) -> str | None:
+def verify(MPI, kind: str, comm, buf: np.ndarray, state, unit: int = 1) -> str | None:
     """None if the result is right, else what is wrong. Collective over `comm`."""
     n, r = comm.size, comm.rank
     if kind in ("allreduce", "reduce", "reduce_scatter"):
         if kind == "reduce_scatter":
             inputs = np.empty(2)
             comm.Reduce_scatter_block(state, inputs, op=MPI.SUM)
-            got = weighted_sums(blocks(buf, n)[r])
+            got = weighted_sums(blocks(buf, n, unit)[r])
         else:
             inputs = np.empty(2)
             comm.Allreduce(state, inputs, op=MPI.SUM)
@@ -129,7 +132,7 @@ def verify(MPI, kind: str, comm, buf: np.ndarray, state) -> str | None:
                 return f"the {n} ranks hold different results (crc32s {sorted(set(crcs.tolist()))})"
         return None
     if kind in ("allgather", "alltoall"):
-        got = [crc(b) for b in blocks(buf, n)]
+        got = [crc(b) for b in blocks(buf, n, unit)]
         bad = [i for i in range(n) if got[i] != state[i]]
         if bad:
             return f"block {bad[0]} of {n} differs from what rank {bad[0]} sent"

@@ -364,7 +364,7 @@ class Engine:
             )
         if self.check and self.mode != "real":
             check.fill(flat, self._seed(op))
-        state = check.before(MPI, op.kind, comm, flat) if self.check else None
+        state = check.before(MPI, op.kind, comm, flat, op.unit) if self.check else None
         x, SUM = wire.transport(flat), wire.sum_op(MPI, flat.dtype)  # what MPI is given
         spin = blocking and not self.waiter.yielding
         # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
@@ -377,8 +377,10 @@ class Engine:
             collectives.allreduce(comm, flat, self.allreduce, wait=wait)
         elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
-        elif op.kind in ("allgather", "reduce_scatter") and flat.size % n:
-            counts = [b.size for b in check.blocks(flat, n)]
+        elif op.kind in ("allgather", "reduce_scatter") and (
+            len({b.size for b in check.blocks(flat, n, op.unit)}) > 1
+        ):
+            counts = [b.size for b in check.blocks(flat, n, op.unit)]
             displs = np.cumsum([0] + counts[:-1]).tolist()
             spec = [x, (counts, displs), wire.mpi_type(MPI, flat.dtype)]
             calls = [
@@ -443,10 +445,10 @@ class Engine:
             return
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
-            blocks = check.blocks(out, comm.size)
+            blocks = check.blocks(out, comm.size, op.unit)
             blocks[comm.rank][...] = out.reshape(-1)[: blocks[comm.rank].size]
         if self.check:
-            error = check.verify(self.MPI, op.kind, comm, out, state)
+            error = check.verify(self.MPI, op.kind, comm, out, state, op.unit)
             if error:
                 raise CheckError(
                     f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "

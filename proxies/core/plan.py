@@ -106,10 +106,16 @@ class Collective:
     mb: int = -1
     req: str = ""  # non-empty: non-blocking, completed by Wait(req)
     category: str = ""  # default: "<group>_<kind>"
+    # allgather / reduce_scatter: the blocks are whole units of `unit` elements (sizes
+    # differing by at most one unit), e.g. one unit per dense column of B samples when a
+    # layer's columns are split unevenly; 1 = any element boundary.
+    unit: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
             raise ValueError(f"unknown collective kind {self.kind!r}")
+        if self.unit < 1 or self.count % self.unit:
+            raise ValueError(f"count {self.count} is not a whole number of units {self.unit}")
         if not self.category:
             object.__setattr__(self, "category", f"{self.group}_{self.kind}")
 

@@ -256,7 +256,7 @@ class _Sim:
             coll = self.colls[gid, n] = _Coll(gid, n)
         elif coll.posts:
             q, qi, qop, _ = coll.posts[0]
-            if (qop.kind, qop.count, qop.dtype) != (op.kind, op.count, op.dtype):
+            if (qop.kind, qop.count, qop.dtype, qop.unit) != (op.kind, op.count, op.dtype, op.unit):
                 name, members = self.group_of[gid]
                 raise PlanError(
                     f"collective #{n} on group {name!r} (ranks {list(members)}) does not match: "

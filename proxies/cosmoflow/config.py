@@ -10,18 +10,28 @@ dense layers with LeakyReLU, the last one 1.2 * tanh, MSE loss. Activations are 
 (B, D, H, W, C) as in the MLPerf reference (input shape [128, 128, 128, 4]).
 
 Spatial parallelism (as the C++ proxy, spcl/DNN-cpp-proxies): every volume is split over the
-S shards of a replica along H and W (D stays whole). A conv layer needs a 1-voxel halo from
-each neighbouring shard; conv0 reads its halo straight from the data. Dense layers are split
-by output columns: each shard holds O/S columns of every dense layer, gathers the whole input
-(allgather) in forward and reduce-scatters the input gradient in backward. Conv weights are
-replicated on every rank, so their gradients are summed over all ranks; dense slices over the
-ranks holding the same slice (the data-parallel group).
+S shards of a replica along H and W (D stays whole); each shard loads only its own tile. A
+conv layer needs a 1-voxel halo from each neighbouring shard, conv0 included (the input
+volume's faces and edges; the C++ proxy sends none there). Dense layers, --dense:
+- split (default): by output columns, as the C++ proxy. Shard s holds columns
+  block_range(O, S, s) of every dense layer (O/S each when S divides O, else sizes differing
+  by one, the larger first: any S works), gathers the whole input (allgather, Allgatherv when
+  uneven) in forward and reduce-scatters the input gradient in backward. The dense slices'
+  gradients are summed over the ranks holding the same slice (the data-parallel group).
+- replicate: as the MLPerf HPC spatial-parallel reference (MXNet, SpatialParallelAllgather):
+  the conv output is allgathered and every shard runs the whole dense layers on it, so no
+  further messages in forward or backward. Every rank holds every dense weight; their
+  gradients are summed over all ranks (the reference's Horovod allreduce) and scaled by 1/S
+  (its dense lr_mult = 1 / spatial span), since the S shards of a replica hold the same one.
+Conv weights are replicated on every rank, so their gradients are summed over all ranks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from proxies.core.plan import block_range
 
 K = 3  # conv kernel extent: a 1-voxel halo
 POOL = 2  # max-pool window and stride, every conv layer
@@ -35,6 +45,7 @@ POOL = 2  # max-pool window and stride, every conv layer
 #   convolution needs), backward faces of the conv output gradient (as exact). It cannot
 #   carry the data a sharded convolution needs, so it runs without real compute.
 HALOS = ("exact", "cpp")
+DENSE_MODES = ("split", "replicate")
 
 # The C++ proxy (comm-and-compute/cosmoflow.cpp): per-layer times on an A100 for one model
 # shard (batch 8, 4 shards, 128^3 x 4 input), microseconds. Forward: conv0..conv4, dense0..2.
@@ -52,12 +63,15 @@ class CosmoFlowConfig:
     dense: tuple[int, ...] = (128, 64, 4)  # widths; the last is the output count
     batch: int = 8  # B: samples per replica unless --global-batch (C++ proxy: 8)
     halo: str = "exact"
+    dense_mode: str = "split"  # one of DENSE_MODES
     compute: str = "real"  # default --compute for the preset
     leak: float = 0.3  # LeakyReLU slope (Keras default, the MLPerf reference's activation)
 
     def __post_init__(self) -> None:
         if self.halo not in HALOS:
             raise ValueError(f"halo = {self.halo!r}: expected one of {HALOS}")
+        if self.dense_mode not in DENSE_MODES:
+            raise ValueError(f"dense_mode = {self.dense_mode!r}: expected one of {DENSE_MODES}")
         if not self.filters or not self.dense:
             raise ValueError("need at least one conv and one dense layer")
 
@@ -87,15 +101,24 @@ class CosmoFlowConfig:
         """(I, O) of dense layer k."""
         return (self.features, *self.dense)[k], self.dense[k]
 
-    def dense_params(self, k: int, shards: int = 1) -> int:
-        """Parameters of dense layer k held by one of `shards` (its O/shards columns)."""
-        i, o = self.dense_io(k)
-        return (i + 1) * (o // shards)
+    def dense_columns(self, k: int, shards: int = 1, s: int = 0) -> tuple[int, int]:
+        """[lo, hi) of the output columns of dense layer k that shard s of `shards` holds:
+        all of them when replicated, else block s of O split as np.array_split does (the
+        blocks the engine's allgather / reduce-scatter use, in units of B samples)."""
+        o = self.dense[k]
+        if self.dense_mode == "replicate":
+            return 0, o
+        return block_range(o, shards, s)
+
+    def dense_params(self, k: int, shards: int = 1, s: int = 0) -> int:
+        """Parameters of dense layer k held by shard s of `shards`: (I + 1) x its columns."""
+        lo, hi = self.dense_columns(k, shards, s)
+        return (self.dense_io(k)[0] + 1) * (hi - lo)
 
     @property
     def num_params(self) -> int:
         conv = sum(self.conv_params(l) for l in range(self.layers))
-        return conv + sum(self.dense_params(k) for k in range(len(self.dense)))
+        return conv + sum((i + 1) * o for i, o in map(self.dense_io, range(len(self.dense))))
 
 
 PRESETS: dict[str, CosmoFlowConfig] = {
@@ -106,10 +129,11 @@ PRESETS: dict[str, CosmoFlowConfig] = {
         CosmoFlowConfig("cosmoflow", compute="model"),
         # The same model with the C++ proxy's message sizes and A100 layer times.
         CosmoFlowConfig("dnn-cpp-proxies", halo="cpp", compute="model"),
-        # Tests and CI: 4 conv layers so that a 32^3 volume still pools down to 2x1x1 voxels
-        # per shard on a 2x2 split.
+        # Tests and CI: 3 conv layers, so that a 32^3 volume splits up to 4x4 (8 voxels per
+        # shard, pooled down to 1); dense 16-6-4, so that from 4 shards a gathered layer
+        # (6 columns) splits unevenly.
         CosmoFlowConfig(
-            "cosmoflow-tiny", volume=(32, 32, 32), filters=(4, 8, 8, 16), dense=(16, 8, 4), batch=2
+            "cosmoflow-tiny", volume=(32, 32, 32), filters=(4, 8, 16), dense=(16, 6, 4), batch=2
         ),
     )
 }
@@ -199,12 +223,6 @@ def validate(cfg: CosmoFlowConfig, shards: Shards) -> None:
                 f"which {L} poolings (2x2x2) cannot halve evenly: {name} / {p} must be a "
                 f"multiple of {f}"
             )
-    bad = [o for o in cfg.dense if o % shards.size]
-    if bad:
-        raise ValueError(
-            f"--shards {shards}: dense widths {'-'.join(map(str, cfg.dense))} must be multiples "
-            f"of the {shards.size} shards (each shard holds an equal slice of every dense layer)"
-        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,9 +251,10 @@ class Halo:
 
 def halos(cfg: CosmoFlowConfig, shards: Shards, s: int, l: int, phase: str, B: int) -> list[Halo]:
     """Halo messages of shard s before conv layer l's forward (its input x, Ci channels) or
-    inside its backward (its output gradient dy, Co channels). Layer 0 has none: its input
-    halo comes with the data and its input gradient is not needed."""
-    if l == 0:
+    inside its backward (its output gradient dy, Co channels). Layer 0: the input volume's
+    faces and edges in forward (exact halos only: the C++ proxy sends none), nothing in
+    backward (the input needs no gradient)."""
+    if l == 0 and (phase == "backward" or cfg.halo == "cpp"):
         return []
     ci, co = cfg.channels(l)
     d, h, w = shards.local(cfg.extent(l))
@@ -246,6 +265,8 @@ def halos(cfg: CosmoFlowConfig, shards: Shards, s: int, l: int, phase: str, B: i
         face = math.prod(shape[2:4])  # h or w for a face, 1 for a diagonal edge
         if phase == "backward":
             factors, why = (B, d, face, co), f"conv{l}'s output gradient"
+        elif l == 0:
+            factors, why = (B, d, face, ci), "conv0's input (the data volume)"
         elif cfg.halo == "cpp":
             # The previous conv's output face, before pooling: POOL x larger per face axis.
             factors = (B, POOL * d, POOL * face, ci)

@@ -1,15 +1,18 @@
 """What one spatial shard of CosmoFlow holds and computes: the conv stack on its part of the
-volume, its column slice of every dense layer, forward, backward and SGD with momentum.
+volume, its column slice of every dense layer (all columns with --dense replicate), forward,
+backward and SGD with momentum.
 
 Letters as in config.py. A whole single-process model is ShardModel(cfg, Shards(1, 1), 0, B).
 
 Between the layers the proxy moves data, and this module only says where it lives:
 - conv layer l reads `x_pad[l]` (B, D+2, h+2, w+2, Ci): its input with a 1-voxel border that
-  holds the neighbours' halos (zeros at the volume's edges); `pack_face`/`unpack_face` copy a
-  face between an activation and a message buffer;
+  holds the neighbours' halos (zeros at the volume's edges; for conv0 `load` fills only the
+  interior, the border comes by message too); `pack_face`/`unpack_face` copy a face between
+  an activation and a message buffer;
 - its backward reads `dy_pad[l]` the same way: its output gradient with the neighbours' halos;
-- dense layer k reads the whole input (B, I) and produces its O/S output columns; the sharded
-  conv output is put in the global (D, H, W, C) feature order by `features_from_blocks`.
+- dense layer k reads the whole input (B, I) and produces its output columns (see
+  CosmoFlowConfig.dense_columns); the sharded conv output is put in the global (D, H, W, C)
+  feature order by `features_from_blocks`, gathered column slices by `columns_from_blocks`.
 """
 
 from __future__ import annotations
@@ -81,14 +84,27 @@ def blocks_from_features(out: np.ndarray, feats: np.ndarray, shards: Shards, loc
     out.reshape(x.shape)[...] = x
 
 
-def columns_from_blocks(blocks: np.ndarray, S: int, B: int) -> np.ndarray:
-    """(S*B*o) gathered output slices, shard-major -> (B, S*o) whole layer output."""
-    return blocks.reshape(S, B, -1).transpose(1, 0, 2).reshape(B, -1)
+def _column_blocks(flat: np.ndarray, widths: list[int], B: int) -> list[np.ndarray]:
+    """The (B, o_s) views of a shard-major whole buffer of blocks B x o_s."""
+    at, out = 0, []
+    for o in widths:
+        out.append(flat[at : at + B * o].reshape(B, o))
+        at += B * o
+    return out
 
 
-def blocks_from_columns(out: np.ndarray, cols: np.ndarray, S: int) -> None:
-    B = cols.shape[0]
-    out.reshape(S, B, -1)[...] = cols.reshape(B, S, -1).transpose(1, 0, 2)
+def columns_from_blocks(blocks: np.ndarray, widths: list[int], B: int) -> np.ndarray:
+    """Gathered output slices, shard s's (B, widths[s]) block at its place (shard-major)
+    -> (B, sum(widths)) whole layer output."""
+    return np.concatenate(_column_blocks(blocks.reshape(-1), widths, B), axis=1)
+
+
+def blocks_from_columns(out: np.ndarray, cols: np.ndarray, widths: list[int]) -> None:
+    """The inverse: (B, O) -> out, shard s's columns as its (B, widths[s]) block."""
+    at = 0
+    for view in _column_blocks(out.reshape(-1), widths, cols.shape[0]):
+        view[...] = cols[:, at : at + view.shape[1]]
+        at += view.shape[1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -142,18 +158,20 @@ class ShardModel:
             self.dw.append(g[: n - co].reshape(K, K, K, ci, co))
             self.db.append(g[n - co :])
 
-        # dense parameters: this shard's O/S columns of every layer, in one flat array
-        n = sum(cfg.dense_params(k, S) for k in range(len(cfg.dense)))
+        # dense parameters: this shard's columns of every layer, in one flat array
+        self.cols_d = [cfg.dense_columns(k, S, s) for k in range(len(cfg.dense))]
+        n = sum(cfg.dense_params(k, S, s) for k in range(len(cfg.dense)))
         self.dense_p, self.dense_g, self.dense_v = (np.zeros(n, dtype) for _ in range(3))
         self.dw_d, self.db_d, self.w_d, self.b_d = [], [], [], []
         at = 0
         for k in range(len(cfg.dense)):
             i, o = cfg.dense_io(k)
-            oc = o // S
+            lo, hi = self.cols_d[k]
+            oc = hi - lo
             rng = np.random.default_rng([seed, 2, k])
             full = glorot(rng, (i, o), i, o)  # drawn whole: every layout gets the same weights
             w = self.dense_p[at : at + i * oc].reshape(i, oc)
-            w[...] = full[:, s * oc : (s + 1) * oc]
+            w[...] = full[:, lo:hi]
             self.w_d.append(w)
             self.b_d.append(self.dense_p[at + i * oc : at + (i + 1) * oc])
             self.dw_d.append(self.dense_g[at : at + i * oc].reshape(i, oc))
@@ -180,15 +198,15 @@ class ShardModel:
             self.dy_pad.append(z(B, d + 2, h + 2, w + 2, co) if l else None)
             self.dcols.append(z(N, K**3 * co) if l else None)
             self.dx.append(z(B, d, h, w, ci) if l else None)
-        # dense layer k: its whole input (set by dense_forward), this shard's O/S columns
-        # before and after the activation, their gradients, and the partial input gradient
-        widths = [cfg.dense_io(k) for k in range(len(cfg.dense))]
-        self.d_inp: list = [None] * len(widths)
+        # dense layer k: its whole input (set by dense_forward), this shard's columns before
+        # and after the activation, their gradients, and the (partial) input gradient
+        inputs = [cfg.dense_io(k)[0] for k in range(len(cfg.dense))]
+        self.d_inp: list = [None] * len(inputs)
         self.d_pre, self.d_out, self.d_dpre, self.d_dout = (
-            [z(B, o // S) for _, o in widths] for _ in range(4)
+            [z(B, hi - lo) for lo, hi in self.cols_d] for _ in range(4)
         )
-        self.d_dinp = [z(B, i) for i, _ in widths]
-        self.target = z(B, cfg.dense[-1] // S)
+        self.d_dinp = [z(B, i) for i in inputs]
+        self.target = z(B, self.d_out[-1].shape[1])
 
     @property
     def conv_out_local(self) -> tuple[int, ...]:
@@ -196,17 +214,18 @@ class ShardModel:
         return (self.B, *self.local[self.cfg.layers], self.cfg.filters[-1])
 
     # -- data ----------------------------------------------------------------------------
-    def load(self, samples: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """The shard's part of B volumes, with a 1-voxel border (neighbours' voxels, zeros at
-        the volume's edge) -> x_pad[0]; the targets of its output columns -> target."""
-        _, h, w = self.local[0]
-        oc = self.target.shape[1]
-        xp = self.x_pad[0]
+    def load(self, samples: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """The shard's tile of B volumes -> the interior of x_pad[0] (its border: zeros at
+        the volume's edges, the neighbours' faces by message); the targets of its output
+        columns -> target. Returns the interior, whose faces the neighbours need."""
+        d, h, w = self.local[0]
+        lo, hi = self.cols_d[-1]
+        inner = self.x_pad[0][:, 1 : d + 1, 1 : h + 1, 1 : w + 1]
+        r0, c0 = self.si * h, self.sj * w
         for b, (vol, target) in enumerate(samples):
-            full = np.pad(vol, ((1, 1), (1, 1), (1, 1), (0, 0)))
-            r0, c0 = self.si * h, self.sj * w
-            xp[b] = full[:, r0 : r0 + h + 2, c0 : c0 + w + 2, :]
-            self.target[b] = target[self.s * oc : (self.s + 1) * oc]
+            inner[b] = vol[:, r0 : r0 + h, c0 : c0 + w, :]
+            self.target[b] = target[lo:hi]
+        return inner
 
     # -- conv layers ---------------------------------------------------------------------
     def conv_forward(self, l: int) -> np.ndarray:
@@ -237,7 +256,7 @@ class ShardModel:
         return len(self.cfg.dense) - 1
 
     def dense_forward(self, k: int, inp: np.ndarray) -> np.ndarray:
-        """inp (B, I) whole -> this shard's O/S output columns (after the activation)."""
+        """inp (B, I) whole -> this shard's output columns (after the activation)."""
         self.d_inp[k] = inp
         Kn.dense_forward(self.d_pre[k], inp, self.w_d[k], self.b_d[k])
         if k == self.last:
@@ -273,10 +292,14 @@ class ShardModel:
         return self.d_dinp[k]
 
     # -- optimizer -----------------------------------------------------------------------
-    def step(self, lr: float, momentum: float) -> None:
+    def step(self, lr: float, momentum: float, dense_lr_scale: float = 1.0) -> None:
+        """dense_lr_scale: 1/S for replicated dense layers, whose summed gradient counts each
+        replica's S times (the reference's lr_mult; linear in the gradient, so the same)."""
         for p, g, v in zip(self.conv_p, self.conv_g, self.conv_v, strict=True):
             Kn.sgd_momentum_update(p, g, v, lr, momentum)
-        Kn.sgd_momentum_update(self.dense_p, self.dense_g, self.dense_v, lr, momentum)
+        Kn.sgd_momentum_update(
+            self.dense_p, self.dense_g, self.dense_v, lr * dense_lr_scale, momentum
+        )
 
     def zero_grad(self) -> None:
         for g in self.conv_g:

@@ -6,7 +6,8 @@ Each rank holds one spatial shard (an H x W tile of every volume, D whole) of on
 data-parallel replica, as the C++ proxy (spcl/DNN-cpp-proxies): shard = rank % shards. One
 iteration, as that proxy orders it:
 
-    forward   data; conv0; for conv1..: halo exchange with the neighbours, conv
+    forward   data; for each conv layer: halo exchange with the neighbours, conv (conv0's
+              halo is the input volume's: exact halos only, the C++ proxy has none)
               for each dense layer: allgather its input over the shards, dense
     backward  for each dense layer, last first: dense backward, reduce-scatter of its input
               gradient; then the dense gradients (one fused buffer, as the C++ proxy) start
@@ -17,6 +18,10 @@ iteration, as that proxy orders it:
 
 The messages are the C++ proxy's; one order differs: it starts a conv layer's allreduce after
 that layer's backward halo exchange, we start it as soon as the weight gradient exists.
+Dense widths that the shards do not divide are split unevenly (Allgatherv / Reduce_scatter
+in whole columns of B samples). --dense replicate (the MLPerf HPC spatial-parallel
+reference's scheme) allgathers only the conv output, runs every dense layer whole on every
+shard (no reduce-scatter) and allreduces the dense gradients over all ranks.
 
 The non-blocking allreduces run under the rest of backward; the engine polls them between
 ops (the C++ proxy's MPI_Testany) and reports what finished under other work as
@@ -26,10 +31,11 @@ ops (the C++ proxy's MPI_Testany) and reports what finished under other work as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
-from proxies.core import cli, runner
+from proxies.core import check, cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.cosmoflow.config import (
@@ -37,6 +43,7 @@ from proxies.cosmoflow.config import (
     CPP_FWD_US,
     CPP_REFERENCE,
     CPP_SHARDS,
+    DENSE_MODES,
     DIR_NAMES,
     PRESETS,
     CosmoFlowConfig,
@@ -47,6 +54,7 @@ from proxies.cosmoflow.config import (
     parse_shards,
     validate,
 )
+from proxies.cosmoflow.describe import derivation, describe
 
 PROG = "proxies.cosmoflow"
 DEFAULT_MODEL = "cosmoflow-tiny"
@@ -67,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL,
         help="cosmoflow: MLPerf HPC (128^3 x 4, conv 32..512, dense 128-64-4); "
         "dnn-cpp-proxies: the same with the C++ proxy's message sizes and A100 layer times; "
-        "cosmoflow-tiny: 32^3, 4 conv layers, for tests and CI (the default)",
+        "cosmoflow-tiny: 32^3, conv 4-8-16, dense 16-6-4, for tests and CI (the default)",
     )
     p.add_argument(
         "--shards",
@@ -90,6 +98,15 @@ def parser() -> argparse.ArgumentParser:
         default="sp-dp",
         help="rank order, fastest first (default sp-dp: shard = rank %% shards, as the C++ "
         "proxy; dp-sp: the shards of a replica are far apart)",
+    )
+    p.add_argument(
+        "--dense",
+        choices=DENSE_MODES,
+        default="split",
+        help="dense layers: split = output columns over the shards, allgather of the input and "
+        "reduce-scatter of its gradient per layer (the C++ proxy's; uneven when the shards do "
+        "not divide a width; the default); replicate = every shard runs them whole after one "
+        "allgather of the conv output (the MLPerf HPC spatial-parallel reference's)",
     )
     p.add_argument(
         "--lr",
@@ -138,17 +155,18 @@ def conv_flops(cfg: CosmoFlowConfig, shards: Shards, l: int, B: int) -> float:
     return 2.0 * B * d * h * w * K**3 * ci * co
 
 
-def dense_flops(cfg: CosmoFlowConfig, shards: Shards, k: int, B: int) -> float:
-    """Forward of dense layer k's columns on one shard (backward is twice this)."""
-    i, o = cfg.dense_io(k)
-    return 2.0 * B * i * (o // shards.size)
+def dense_flops(cfg: CosmoFlowConfig, shards: Shards, k: int, B: int, s: int = 0) -> float:
+    """Forward of dense layer k's columns on shard s (backward is twice this)."""
+    lo, hi = cfg.dense_columns(k, shards.size, s)
+    return 2.0 * B * cfg.dense_io(k)[0] * (hi - lo)
 
 
-def a100_seconds(cfg: CosmoFlowConfig, shards: Shards, B: int) -> dict[str, float]:
+def a100_seconds(cfg: CosmoFlowConfig, shards: Shards, B: int, s: int = 0) -> dict[str, float]:
     """Per compute op: the C++ proxy's A100 time of the same layer, scaled by FLOPs relative
     to its configuration (batch 8, 2x2 shards, 128^3): its exact times there. Its conv
     backward (one number, 2 x forward) is split evenly between the weight and the input
-    gradient; conv0 has no input gradient and keeps its whole backward time."""
+    gradient; conv0 has no input gradient and keeps its whole backward time. Dense layers:
+    shard s's columns."""
     ref, rs, rb = CPP_REFERENCE, Shards(*CPP_SHARDS), 8
     out = {}
     for l in range(cfg.layers):
@@ -162,7 +180,7 @@ def a100_seconds(cfg: CosmoFlowConfig, shards: Shards, B: int) -> dict[str, floa
     nd = len(ref.dense)
     for k in range(len(cfg.dense)):
         r = min(k, nd - 1)
-        ratio = dense_flops(cfg, shards, k, B) / dense_flops(ref, rs, r, rb)
+        ratio = dense_flops(cfg, shards, k, B, s) / dense_flops(ref, rs, r, rb)
         out[f"dense{k}.forward"] = CPP_FWD_US[ref.layers + r] * 1e-6 * ratio
         out[f"dense{k}.backward"] = CPP_BWD_US[nd - 1 - r] * 1e-6 * ratio
     return out
@@ -208,7 +226,7 @@ class CosmoFlowRuntime:
         m = self.model
         for l in range(cfg.layers):
             bufs[f"conv{l}.grads"] = m.conv_g[l] if m else np.zeros(cfg.conv_params(l), dtype)
-        n = sum(cfg.dense_params(k, S) for k in range(len(cfg.dense)))
+        n = sum(cfg.dense_params(k, S, s) for k in range(len(cfg.dense)))
         bufs["dense.grads"] = m.dense_g if m else np.zeros(n, dtype)
         self.bufs = bufs
         # Halo messages per (layer, phase): (direction, send buffer, recv buffer).
@@ -217,17 +235,24 @@ class CosmoFlowRuntime:
                 (h.k, bufs[halo_buf(l, ph, h.k, "to")], bufs[halo_buf(l, ph, h.k, "from")])
                 for h in halos(cfg, shards, s, l, ph, B)
             ]
-            for l in range(1, cfg.layers)
+            for l in range(cfg.layers)
             for ph in PHASES
         }
+        # Each shard's (B, columns) block of a dense layer's gathered output, in shard order.
+        self.widths = [
+            [hi - lo for lo, hi in (cfg.dense_columns(k, S, t) for t in range(S))]
+            for k in range(len(cfg.dense))
+        ]
+        self.replicate = cfg.dense_mode == "replicate"
         self.loss_sum, self.loss_count = 0.0, 0
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
         return self.bufs[name]
 
-    def _block(self, name: str) -> np.ndarray:
-        """This shard's block of a whole allgather / reduce-scatter buffer."""
-        return self.bufs[name].reshape(self.shards.size, -1)[self.s]
+    def _block(self, name: str, unit: int = 1) -> np.ndarray:
+        """This shard's block of a whole allgather / reduce-scatter buffer (as the engine
+        splits it: whole units of `unit` elements)."""
+        return check.blocks(self.bufs[name], self.shards.size, unit)[self.s]
 
     def compute(self, op: Compute, iteration: int) -> None:
         from proxies.cosmoflow import model as M
@@ -237,13 +262,15 @@ class CosmoFlowRuntime:
         layer, _, step = op.name.partition(".")
         if op.name == "data":
             first = iteration * self.G + self.d * self.B  # global sample index
-            m.load([M.sample(cfg, self.seed, first + b, self.dtype) for b in range(self.B)])
+            tile = m.load([M.sample(cfg, self.seed, first + b, self.dtype) for b in range(self.B)])
+            for k, send, _ in self.halo[(0, "forward")]:  # what the neighbours' conv0 needs
+                M.pack_face(send, tile, k)
         elif op.name == "optimizer":
-            m.step(self.lr, self.momentum)
+            m.step(self.lr, self.momentum, 1.0 / S if self.replicate else 1.0)
             m.zero_grad()
         elif layer.startswith("conv") and step == "forward":
             l = int(layer[4:])
-            for k, _, recv in self.halo.get((l, "forward"), []):
+            for k, _, recv in self.halo[(l, "forward")]:
                 M.unpack_face(m.x_pad[l], recv, k)
             out = m.conv_forward(l)
             if l + 1 < L:  # the next layer's input, and the faces its neighbours need
@@ -258,24 +285,35 @@ class CosmoFlowRuntime:
             whole = self.bufs[f"dense{k}.in"]
             if k == 0:
                 inp = M.features_from_blocks(whole, self.shards, m.conv_out_local)
+            elif self.replicate:  # the previous layer's whole output, here already
+                inp = m.d_out[k - 1]
             else:
-                inp = M.columns_from_blocks(whole, S, self.B)
+                inp = M.columns_from_blocks(whole, self.widths[k - 1], self.B)
             out = m.dense_forward(k, inp)
             if k < last:
-                self._block(f"dense{k + 1}.in")[...] = out.reshape(-1)
+                if not self.replicate:
+                    self._block(f"dense{k + 1}.in", self.B)[...] = out.reshape(-1)
             else:
                 # The mean over the global batch and the outputs; the gradients' sum over
-                # the replicas is then the gradient of the global loss.
-                self.loss_sum += m.loss(1.0 / (cfg.dense[-1] * self.G))
+                # the replicas is then the gradient of the global loss. Replicated, every
+                # shard of a replica has the same loss: shard 0's counts.
+                loss = m.loss(1.0 / (cfg.dense[-1] * self.G))
+                if not self.replicate or self.s == 0:
+                    self.loss_sum += loss
                 self.loss_count += self.s == 0 and self.d == 0
         elif layer.startswith("dense") and step == "backward":
             k = int(layer[5:])
-            dout = None if k == last else self._block(f"dense{k + 1}.din")
+            if k == last:
+                dout = None
+            elif self.replicate:  # the next layer's whole input gradient: no reduce-scatter
+                dout = m.d_dinp[k + 1]
+            else:
+                dout = self._block(f"dense{k + 1}.din", self.B)
             dinp = m.dense_backward(k, dout)
             if k == 0:
                 M.blocks_from_features(self.bufs["dense0.din"], dinp, self.shards, m.conv_out_local)
-            else:
-                M.blocks_from_columns(self.bufs[f"dense{k}.din"], dinp, S)
+            elif not self.replicate:
+                M.blocks_from_columns(self.bufs[f"dense{k}.din"], dinp, self.widths[k - 1])
         elif layer.startswith("conv") and step == "backward_weights":
             l = int(layer[4:])
             dpooled = self._block("dense0.din") if l == L - 1 else m.dx[l + 1]
@@ -311,7 +349,7 @@ def halo_buf(l: int, phase: str, k: int, way: str) -> str:
 
 
 def make_job(args, world: int) -> runner.Job:
-    cfg = PRESETS[args.model]
+    cfg = dataclasses.replace(PRESETS[args.model], dense_mode=args.dense)
     try:
         shards = parse_shards(args.shards)
     except ValueError as e:
@@ -323,6 +361,11 @@ def make_job(args, world: int) -> runner.Job:
             f"--model {args.model} sends the C++ proxy's halo sizes (forward faces sized before "
             f"pooling, no diagonal neighbours), which cannot carry a sharded convolution's data: "
             f"--compute {args.compute} needs --model cosmoflow; use --compute model or none"
+        )
+    if cfg.halo == "cpp" and cfg.dense_mode != "split":
+        raise cli.UsageError(
+            f"--model {args.model} sends the C++ proxy's messages, whose dense layers are split "
+            f"over the shards: --dense {cfg.dense_mode} needs --model cosmoflow"
         )
     S = shards.size
     if world % S:
@@ -346,11 +389,10 @@ def make_job(args, world: int) -> runner.Job:
     B = G // dp
     L, nd = cfg.layers, len(cfg.dense)
     grid = ProcessGrid.create(args.order, sp=S, dp=dp)
-    times = a100_seconds(cfg, shards, B) if args.layer_times == "a100" else {}
+    a100 = args.layer_times == "a100"
+    times = {s: a100_seconds(cfg, shards, B, s) if a100 else {} for s in range(S)}
     real = args.compute in ("real", "replay")
-
-    def compute(name: str, flops: float) -> Compute:
-        return Compute(name, flops=flops, seconds=times.get(name, 0.0))
+    split = cfg.dense_mode == "split"
 
     def halo_op(rank: int, l: int, phase: str) -> P2P | None:
         c = grid.coords(rank)
@@ -367,6 +409,17 @@ def make_job(args, world: int) -> runner.Job:
 
     def plan(rank: int) -> Plan:
         c = grid.coords(rank)
+        s = c["sp"]
+
+        def compute(name: str, flops: float) -> Compute:
+            return Compute(name, flops=flops, seconds=times[s].get(name, 0.0))
+
+        def dense(kind: str, k: int, buf: str) -> Collective:
+            """The allgather of dense layer k's input / reduce-scatter of its gradient. Past
+            dense0 the blocks are the previous layer's column slices: whole columns of B
+            samples (unit B), uneven when the shards do not divide the width."""
+            return Collective(kind, "sp", buf, B * cfg.dense_io(k)[0], unit=B if k else 1)
+
         groups = {
             "sp": grid.group("sp", rank),
             "dp": grid.group("dp", rank),
@@ -377,25 +430,28 @@ def make_job(args, world: int) -> runner.Job:
         ops: list = [Compute("data", category="data")] if real else []
         # forward
         for l in range(L):
-            if l and (op := halo_op(rank, l, "forward")):
+            if op := halo_op(rank, l, "forward"):
                 ops.append(op)
             ops.append(compute(f"conv{l}.forward", conv_flops(cfg, shards, l, B)))
         for k in range(nd):
-            if S > 1:
-                ops.append(Collective("allgather", "sp", f"dense{k}.in", B * cfg.dense_io(k)[0]))
-            ops.append(compute(f"dense{k}.forward", dense_flops(cfg, shards, k, B)))
+            # replicated: only the conv output is gathered, the rest is computed whole here
+            if S > 1 and (split or k == 0):
+                ops.append(dense("allgather", k, f"dense{k}.in"))
+            ops.append(compute(f"dense{k}.forward", dense_flops(cfg, shards, k, B, s)))
         # backward
         for k in reversed(range(nd)):
-            ops.append(compute(f"dense{k}.backward", 2 * dense_flops(cfg, shards, k, B)))
-            if S > 1:
-                n = B * cfg.dense_io(k)[0]
-                ops.append(Collective("reduce_scatter", "sp", f"dense{k}.din", n))
+            ops.append(compute(f"dense{k}.backward", 2 * dense_flops(cfg, shards, k, B, s)))
+            if S > 1 and split:
+                ops.append(dense("reduce_scatter", k, f"dense{k}.din"))
         reqs = []
-        if dp > 1:
-            n = sum(cfg.dense_params(k, S) for k in range(nd))
+        # split: each slice over the replicas holding it; replicated: over every rank, as the
+        # reference's Horovod allreduce (the optimizer scales the sum by 1/S)
+        group, members = ("dp", dp) if split else ("world", world)
+        n = sum(cfg.dense_params(k, S, s) for k in range(nd))
+        if members > 1 and n:
             ops.append(
                 Collective(
-                    "allreduce", "dp", "dense.grads", n, req="dense", category="dense_allreduce"
+                    "allreduce", group, "dense.grads", n, req="dense", category="dense_allreduce"
                 )
             )
             reqs.append("dense")
@@ -470,7 +526,7 @@ def make_job(args, world: int) -> runner.Job:
         "allreduce": args.allreduce,
         "device_tflops": args.device_tflops,
     }
-    header = describe(cfg, shards, dp, B, G, args)
+    header = describe(PROG, cfg, shards, dp, B, G, args)
     if args.dry_run:
         header += derivation(cfg, shards, B, world)
     return runner.Job(
@@ -486,85 +542,6 @@ def make_job(args, world: int) -> runner.Job:
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"conv_allreduce", "dense_allreduce"}),
     )
-
-
-def describe(cfg: CosmoFlowConfig, shards: Shards, dp: int, B: int, G: int, args) -> list[str]:
-    D, H, W = cfg.volume
-    d, h, w = shards.local(cfg.volume)
-    S = shards.size
-    world = S * dp
-    conv = "-".join(map(str, cfg.filters))
-    fwd_halo = sum(x.count for x in halos(cfg, shards, 0, 1, "forward", B)) if cfg.layers > 1 else 0
-    if args.compute == "model":
-        how = (
-            "the C++ proxy's per-layer A100 times scaled by FLOPs"
-            if args.layer_times == "a100"
-            else f"FLOPs / {args.device_tflops:g} TFLOP/s"
-        )
-        compute = f"compute model: {how}"
-    else:
-        compute = f"compute {args.compute}"
-    dense_n = sum(cfg.dense_params(k, S) for k in range(len(cfg.dense)))
-    return [
-        f"[bold]{PROG}[/] · {args.model}: {D}x{H}x{W} x {cfg.in_channels} input, conv {conv} "
-        f"(kernel {K}, each + 2x2x2 max-pool), dense {'-'.join(map(str, cfg.dense))} · "
-        f"{cfg.num_params:,} parameters",
-        f"grid: {S} spatial shards ({shards}: {d}x{h}x{w} voxels each) x {dp} data-parallel "
-        f"(order {args.order}) · global batch {G} = {dp} x {B} · SGD momentum {args.momentum:g}, "
-        f"lr {args.lr:g} · {compute}",
-        f"messages: halos {cfg.halo} (shard 0, conv1 forward: {fwd_halo:,} floats) · dense "
-        f"allgather / reduce-scatter over the {S} shard(s) · gradient allreduces non-blocking: "
-        f"conv layers over all {world} rank(s), each shard's dense slice ({dense_n:,} floats) "
-        f"over {dp} replica(s) · iterations {args.warmup} warm-up + {args.iters} timed",
-    ]
-
-
-def derivation(cfg: CosmoFlowConfig, shards: Shards, B: int, world: int) -> list[str]:
-    """Every message size of one iteration from the layer shapes (float32 elements)."""
-    S, dp = shards.size, world // shards.size
-    lines = [
-        f"[bold]message sizes[/], derived from the layer shapes (B = {B} samples per replica, "
-        f"{shards} shards, elements of float32):"
-    ]
-    for l in range(cfg.layers):
-        ci, co = cfg.channels(l)
-        d, h, w = shards.local(cfg.extent(l))
-        lines.append(
-            f"  conv{l}: input {'x'.join(map(str, cfg.extent(l)))} x {ci}, per shard {d}x{h}x{w}"
-            f" -> {co} filters -> pool -> {d // 2}x{h // 2}x{w // 2} x {co}; weights "
-            f"{K}^3*{ci}*{co} + {co} = {cfg.conv_params(l):,} -> allreduce over {world} ranks"
-        )
-        for phase in ("forward", "backward"):
-            seen = {}
-            for s in range(S):
-                for x in halos(cfg, shards, s, l, phase, B):
-                    seen.setdefault((x.kind, x.count), x)
-            for (kind, count), x in seen.items():
-                lines.append(
-                    f"    halo {phase} {kind}: {x.why}: "
-                    + " x ".join(map(str, x.factors))
-                    + f" = {count:,}"
-                )
-    F = cfg.features
-    fd = "x".join(map(str, cfg.extent(cfg.layers)))
-    total = 0
-    for k in range(len(cfg.dense)):
-        i, o = cfg.dense_io(k)
-        what = f"conv output {fd} x {cfg.filters[-1]} = {F:,}" if k == 0 else f"dense{k - 1}"
-        n = cfg.dense_params(k, S)
-        total += n
-        lines.append(
-            f"  dense{k}: input {i:,} ({what}); {o} columns / {S} shards = {o // S} per shard: "
-            f"({i:,} + 1) x {o // S} = {n:,} weights; allgather of the input B*I/S = "
-            f"{B} x {i:,} / {S} = {B * i // S:,} per shard (whole {B * i:,}), reduce-scatter of "
-            f"its gradient the same"
-        )
-    parts = " + ".join(f"{cfg.dense_params(k, S):,}" for k in range(len(cfg.dense)))
-    lines.append(
-        f"  dense gradients per shard: {parts} = {total:,} -> one allreduce over the {dp} "
-        "replicas holding the same slice"
-    )
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
