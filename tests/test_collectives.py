@@ -76,7 +76,7 @@ BAD = [
     (["-b", "12Q"], "-b/--minbytes"),
     (["-b", "1M", "-e", "1K"], "smaller than -b/--minbytes"),
     (["-f", "1"], "integer >= 2"),
-    (["-d", "float16"], "invalid choice: 'float16'"),
+    (["-d", "float8"], "invalid choice: 'float8'"),
     (["--ranks-per-node", "0"], "positive integer"),
     (["-n", "0"], "positive integer"),
 ]
@@ -96,3 +96,18 @@ def test_every_algorithm_is_an_allreduce_option():
     from proxies.core.cli import ALLREDUCE_ALGS
 
     assert set(ALLREDUCE_ALGS) == set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_benchmark_checks_16_bit_sums(tmp_path, dtype):
+    """bf16/fp16 through every algorithm and MPI's (a user-defined float32-accumulating
+    sum): the checked small integers come out exact at 3 ranks."""
+    out = tmp_path / "rows.json"
+    args = ["-b", "2", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "-d", dtype, "--check"]
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "proxies", "collectives", *args]
+    r = run([*cmd, "--json", str(out)], 150)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 * len(ALGORITHMS)  # sizes 2, 64, 2K, 64K
+    for row in rows:
+        assert row["wrong"] == 0 and row["count"] * 2 == row["bytes"] and row["dtype"] == dtype
