@@ -53,12 +53,22 @@ from proxies.gpt2.fast import (
 from proxies.gpt2.model import LAYER_TENSORS, _normal
 from proxies.gpt3.config import Chunk, Setup
 from proxies.gpt3.moe import MoEPieces
+from proxies.gpt3.sp import SequenceParallelPieces
 
 ATTN_TENSORS = LAYER_TENSORS[:8]  # ln_1, c_attn, c_proj, ln_2: every layer, MoE or not
 MLP_TENSORS = LAYER_TENSORS[8:]
 # Replicated tensors whose gradient is a partial sum over the sequence shards under sequence
-# parallelism (layernorms, row-parallel biases): summed over TP before the optimizer step.
-SP_PARTIAL = ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias")
+# parallelism (layernorms, row-parallel biases, the MoE router, which routes the shard):
+# summed over TP before the optimizer step.
+SP_PARTIAL = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_proj.bias",
+    "moe.gate.weight",
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -163,7 +173,7 @@ class Layout:
                 d0, e0 = d, e
                 for name, shape in dense_layer:
                     size = math.prod(shape)
-                    if name in SP_PARTIAL or name == "mlp.c_proj.bias":
+                    if name in SP_PARTIAL:
                         self.sp_ranges.append((d, d + size))
                     self.dense.append((f"h.{l}.{name}", shape, d))
                     d += size
@@ -213,7 +223,7 @@ def _init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) ->
     return out
 
 
-class StageShard(MoEPieces):
+class StageShard(MoEPieces, SequenceParallelPieces):
     """The real compute of one rank: its chunks' layers, TP rank r's shard of each tensor.
 
     compute(name, mb, chunk) runs one piece ("fwd_attn:5", "bwd_head" ...); pieces of one
@@ -250,13 +260,18 @@ class StageShard(MoEPieces):
         if moe:
             El = moe.local_experts
             self.experts = range(ep_rank * El, (ep_rank + 1) * El)
-            self.cap = moe.capacity(S.N)
+            self.cap = moe.capacity(S.Ns)
         self._init_params(seed)
         # Buffers the plan's collectives run on (see the module docstring).
         self.tp_buf = np.zeros(S.N * C, dtype=self.dtype)
         self.ce_buf = np.zeros(tp * 3 * S.N, dtype=self.dtype)
-        self.moe_buf = np.zeros(moe.experts * self.cap * C if moe else 0, dtype=self.dtype)
-        self.dscore_buf = np.zeros(S.N * moe.top_k if moe else 0, dtype=self.dtype)
+        # MoE: moe_buf (E, cap, C) is this rank's dispatch (all-to-all over ep); with
+        # sequence parallelism it is block r of moe_all, which gathers every TP rank's for
+        # the experts (moe.py). Without, moe_all is moe_buf.
+        sources = tp if S.sp else 1
+        self.moe_all = np.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
+        self.moe_buf = self.moe_all.reshape(sources, -1)[tp_rank if S.sp else 0]
+        self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
         self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
         self.saved: dict[tuple[int, int], SimpleNamespace] = {}  # (mb, chunk) in flight
@@ -310,23 +325,6 @@ class StageShard(MoEPieces):
         S = self.S
         return self.tp_buf.reshape(S.B, S.T, S.cfg.n_embd)
 
-    def _blocks(self) -> np.ndarray:
-        """tp_buf as (tp,B,Ts,C): block i is rank i's sequence shard (allgather and
-        reduce-scatter work on contiguous blocks of the flat buffer)."""
-        S = self.S
-        return self.tp_buf.reshape(S.tp, S.B, S.T // S.tp, S.cfg.n_embd)
-
-    def _gather(self, out: np.ndarray) -> np.ndarray:
-        """out (B,T,C) = the allgathered shards in tp_buf."""
-        S = self.S
-        out.reshape(S.B, S.tp, S.T // S.tp, -1)[...] = self._blocks().transpose(1, 0, 2, 3)
-        return out
-
-    def _scatter(self, full: np.ndarray) -> None:
-        """tp_buf blocks = full (B,T,C) cut into sequence shards, for a reduce-scatter."""
-        S = self.S
-        self._blocks()[...] = full.reshape(S.B, S.tp, S.T // S.tp, -1).transpose(1, 0, 2, 3)
-
     def _partial_out(self) -> np.ndarray:
         """Where a row-parallel matmul writes its partial (B,T,C): straight into tp_buf for
         an allreduce, a scratch to be cut into shards for a reduce-scatter."""
@@ -371,14 +369,11 @@ class StageShard(MoEPieces):
                 ln2_rstd=e(B, Ts),
                 res3=e(B, Ts, C),
             )
-            if S.sp:
-                a.ln1_full, a.ln2_full = e(B, T, C), e(B, T, C)
             if not S.moe:
                 a.fch, a.fch_gelu = e(B, T, 4 * C // tp), e(B, T, 4 * C // tp)
             st.layers[l] = a
         if ch.head:
             st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(B, Ts), e(B, Ts), e(B, T)
-            st.lnf_full = e(B, T, C) if S.sp else st.lnf
         return st
 
     def _free(self, mb: int, c: int) -> None:
@@ -390,7 +385,8 @@ class StageShard(MoEPieces):
     def compute(self, name: str, mb: int, chunk: int) -> float | None:
         """Run one piece; returns the micro-batch's mean loss from "fwd_loss", else None."""
         kind, _, layer = name.partition(":")
-        fn = getattr(self, "_" + kind, None)
+        fn = getattr(self, "_sp_" + kind, None) if self.S.sp else None
+        fn = fn or getattr(self, "_" + kind, None)
         if fn is None or not kind.startswith(("fwd_", "bwd_")):
             raise ValueError(f"unknown compute op {name!r}")
         ch = self.chunks[chunk]
@@ -443,20 +439,11 @@ class StageShard(MoEPieces):
             a.res3 += self.w[f"h.{l}.mlp.c_proj.bias"]
         return a.res3
 
-    def _fwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: layernorm on the shard, into tp_buf for the allgather."""
-        a, w = st.layers[l], self.w
-        a.inp = self._layer_input(st, ch, mb, l)
-        layernorm_forward(
-            a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[f"h.{l}.ln_1.weight"], w[f"h.{l}.ln_1.bias"]
-        )
-        self._blocks()[self.r] = a.ln1
-
     def _fwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
         """ln1 (unless sequence parallel did it), qkv for local heads, attention, partial proj."""
         a, w, p = st.layers[l], self.w, f"h.{l}."
-        if self.S.sp:
-            ln1 = self._gather(a.ln1_full)
+        if self.S.sp:  # gathered for the matmul, not kept: backward gathers it again
+            ln1 = self._gathered("input")
         else:
             a.inp = self._layer_input(st, ch, mb, l)
             ln1 = a.ln1
@@ -479,16 +466,11 @@ class StageShard(MoEPieces):
             a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w[p + "ln_2.weight"], w[p + "ln_2.bias"]
         )
 
-    def _fwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: residual and ln2 on the shard, into tp_buf for the allgather."""
-        self._finish_attn(st, l)
-        self._blocks()[self.r] = st.layers[l].ln2
-
     def _fwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
         """fc (local 4C/tp rows), GELU, partial fcproj."""
         a, w, p = st.layers[l], self.w, f"h.{l}.mlp."
         if self.S.sp:
-            ln2 = self._gather(a.ln2_full)
+            ln2 = self._gathered("input")
         else:
             self._finish_attn(st, l)
             ln2 = a.ln2
@@ -510,18 +492,19 @@ class StageShard(MoEPieces):
             st.lnf, st.lnf_mean, st.lnf_rstd, x, self.w["ln_f.weight"], self.w["ln_f.bias"]
         )
         if self.S.sp:
-            self._blocks()[self.r] = st.lnf
+            self._share(st.lnf)
 
     def _fwd_head(self, st, ch: Chunk, mb: int) -> None:
         """Logits of this rank's vocabulary slice; per token (max, sum-exp, target logit) into
         this rank's block of ce_buf for the allgather."""
         S = self.S
-        if not S.sp:
-            self._fwd_lnf(st, ch, mb)
+        if S.sp:
+            x = self._gathered("input")
         else:
-            self._gather(st.lnf_full)
+            self._fwd_lnf(st, ch, mb)
+            x = st.lnf
         _, st.targets = self.batch(mb)
-        x = st.lnf_full.reshape(-1, S.cfg.n_embd)
+        x = x.reshape(-1, S.cfg.n_embd)
         t = st.targets.reshape(-1) - self.lo
         stats = self.ce_buf.reshape(S.tp, 3, S.N)[self.r]
         mx, se, tl = stats
@@ -564,9 +547,10 @@ class StageShard(MoEPieces):
 
     def _bwd_head(self, st, ch: Chunk, mb: int) -> None:
         """dlogits = (softmax - onehot) * scale / N on this slice; partial dx into tp_buf;
-        wte gradient of this slice (the tied LM head)."""
+        wte gradient of this slice (the tied LM head). Sequence parallel: with ln_f's output
+        gathered again (sp.py), cut for the reduce-scatter."""
         S, C = self.S, self.S.cfg.n_embd
-        x = st.lnf_full.reshape(-1, C)
+        x = (self._gathered("input") if S.sp else st.lnf).reshape(-1, C)
         t = st.targets.reshape(-1) - self.lo
         lse = st.lse.reshape(-1)
         out = self._partial_out().reshape(-1, C)
@@ -627,30 +611,18 @@ class StageShard(MoEPieces):
         self._finish_ln1(st, l + 1)
         return st.dres
 
-    def _bwd_start(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel, not the head chunk: the received gradient, for the allgather."""
-        self._blocks()[self.r] = self._dres_top(st, ch, mb)
-
-    def _bwd_lnf(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel, head chunk: ln_f backward on the shard, for the allgather."""
-        self._blocks()[self.r] = self._dres_top(st, ch, mb)
-
-    def _dout_full(self, st) -> np.ndarray:
-        """The (B,T,C) gradient a row-parallel matmul's backward needs: dres itself, or under
-        sequence parallelism the allgather of every rank's dres shard."""
-        S = self.S
-        if S.sp:
-            return self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
-        return st.dres
-
     def _bwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """fcproj, GELU and fc backward: partial dln2 into tp_buf."""
+        """fcproj, GELU and fc backward: partial dln2 into tp_buf for the allreduce."""
+        self._layer_dres(st, ch, mb, l)
+        self._mlp_out_backward(st, l, st.dres)
+        self._mlp_in_backward(st, l, st.layers[l].ln2, self._full())
+
+    def _mlp_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+        """fcproj (row-parallel) and GELU backward: dfch in a scratch for fc's backward.
+        dout is the (B,T,C) output gradient; the bias is added after the reduction, so its
+        gradient is dres (the shard under sequence parallelism: summed over TP later)."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.mlp."
-        if not S.sp:
-            self._layer_dres(st, ch, mb, l)
-        dout = self._dout_full(st)
-        # the bias is added after the reduction: its gradient is dres (the shard under SP)
         g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
         dgelu = self.scratch("dfch_gelu", S.B, S.T, 4 * C // S.tp)
         dfch = self.scratch("dfch", S.B, S.T, 4 * C // S.tp)
@@ -659,13 +631,15 @@ class StageShard(MoEPieces):
         wn = p + "c_proj.weight"
         matmul_backward(dgelu, g[wn], None, dout, a.fch_gelu, w[wn])
         gelu_backward(dfch, a.fch, dgelu)
-        out = self._partial_out()
+
+    def _mlp_in_backward(self, st, l: int, ln2: np.ndarray, out: np.ndarray) -> None:
+        """fc (column-parallel) backward from the scratch dfch: weight gradient with its
+        input ln2 (B,T,C), the partial input gradient into out."""
+        S, w, g, p = self.S, self.w, self.g, f"h.{l}.mlp."
+        dfch = self.scratch("dfch", S.B, S.T, 4 * S.cfg.n_embd // S.tp)
         out.fill(0)
-        ln2 = a.ln2_full if S.sp else a.ln2
         wn = p + "c_fc.weight"
         matmul_backward(out, g[wn], g[p + "c_fc.bias"], dfch, ln2, w[wn])
-        if S.sp:
-            self._scatter(out)
 
     def _finish_ln2(self, st, l: int) -> None:
         """dres += ln2 backward (dln2 reduced in tp_buf): dres becomes dL/d res2."""
@@ -681,18 +655,16 @@ class StageShard(MoEPieces):
             a.ln2_rstd,
         )
 
-    def _bwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: ln2 backward on the shard, dres into tp_buf for the allgather."""
-        self._finish_ln2(st, l)
-        self._blocks()[self.r] = st.dres
-
     def _bwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """proj, attention and qkv backward: partial dln1 into tp_buf."""
+        """proj, attention and qkv backward: partial dln1 into tp_buf for the allreduce."""
+        self._finish_ln2(st, l)
+        self._attn_out_backward(st, l, st.dres)
+        self._attn_in_backward(st, l, st.layers[l].ln1, self._full())
+
+    def _attn_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+        """proj (row-parallel) and attention backward: dqkv in a scratch for qkv's."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.attn."
-        if not S.sp:
-            self._finish_ln2(st, l)
-        dout = self._dout_full(st)
         g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
         datty = self.scratch("datty", S.B, S.T, C // S.tp)
         dqkv = self.scratch("dqkv", S.B, S.T, 3 * C // S.tp)
@@ -701,22 +673,15 @@ class StageShard(MoEPieces):
         wn = p + "c_proj.weight"
         matmul_backward(datty, g[wn], None, dout, a.atty, w[wn])
         attention_backward(dqkv, datty, a.qkv, a.att, self.NHl)
-        out = self._partial_out()
+
+    def _attn_in_backward(self, st, l: int, ln1: np.ndarray, out: np.ndarray) -> None:
+        """qkv (column-parallel) backward from the scratch dqkv: weight gradient with its
+        input ln1 (B,T,C), the partial input gradient into out."""
+        S, w, g, p = self.S, self.w, self.g, f"h.{l}.attn."
+        dqkv = self.scratch("dqkv", S.B, S.T, 3 * S.cfg.n_embd // S.tp)
         out.fill(0)
-        ln1 = a.ln1_full if S.sp else a.ln1
         wn = p + "c_attn.weight"
         matmul_backward(out, g[wn], g[p + "c_attn.bias"], dqkv, ln1, w[wn])
-        if S.sp:
-            self._scatter(out)
-
-    def _bwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: ln1 backward on the shard; dres into tp_buf for the next
-        allgather (a lower layer, or the embedding), or out as the stage's input gradient."""
-        self._finish_ln1(st, l)
-        if l != ch.layers[0] or ch.embed:
-            self._blocks()[self.r] = st.dres
-        else:
-            self._send_grad(st, ch, mb)
 
     def _send_grad(self, st, ch: Chunk, mb: int) -> None:
         self.message("grad_in", mb, ch.index)[...] = st.dres
@@ -730,12 +695,6 @@ class StageShard(MoEPieces):
             self._embed_backward(st, ch, mb, st.dres)
         else:
             self._send_grad(st, ch, mb)
-
-    def _bwd_embed(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel: the embedding backward on the allgathered gradient."""
-        S = self.S
-        d = self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
-        self._embed_backward(st, ch, mb, d)
 
     def _embed_backward(self, st, ch: Chunk, mb: int, d: np.ndarray) -> None:
         S, C = self.S, self.S.cfg.n_embd

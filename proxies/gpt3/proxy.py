@@ -292,8 +292,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     moe = None
     E = args.moe_experts
     if E:
-        if sp:
-            raise err("--moe-experts with --sequence-parallel is not supported")
         ep = args.ep or math.gcd(E, dp)
         if dp % ep:
             raise err(f"--ep {ep} does not divide the data-parallel degree {dp}")
@@ -600,6 +598,7 @@ class GPT3Runtime:
             "tp": model.tp_buf,
             "ce": model.ce_buf,
             "moe": model.moe_buf,
+            "moe_tp": model.moe_all,
             "moe_dscore": model.dscore_buf,
             "sp_grads": model.sp_buf,
         }[name]

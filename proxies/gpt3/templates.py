@@ -22,11 +22,19 @@ class Templates:
         cfg, C, N, tp = S.cfg, S.cfg.n_embd, S.N, S.tp
         attn, mlp = layer_flops(cfg, S.B, S.T)
         self.f_attn, self.f_mlp = attn / tp, mlp / tp
+        # Sequence parallel backward splits at the re-gather of a column-parallel input:
+        # qkv's backward (2 x 6BTC^2) after it, proj's and attention's before; fc's
+        # (2 x 8BTC^2, half the MLP's backward) after it, fcproj's and GELU's before.
+        self.f_qkv_bwd = 12.0 * S.B * S.T * C * C / tp
         self.f_head = 2.0 * N * C * S.vocab / tp
         if S.moe:
             moe = S.moe
-            self.f_gate = 2.0 * N * C * moe.experts
-            self.f_expert = 4.0 * moe.experts * moe.capacity(N) * C * moe.ffn_hidden / tp
+            cap = moe.capacity(S.Ns)  # per source rank: its sequence shard under SP
+            self.f_gate = 2.0 * S.Ns * C * moe.experts
+            # tokens an expert gets: cap from each ep rank (and, SP, each tp rank's shard)
+            sources = tp if S.sp else 1
+            self.f_expert = 4.0 * moe.experts * cap * sources * C * moe.ffn_hidden / tp
+            self.moe_count = moe.experts * cap * C  # one rank's dispatch buffer (E, cap, C)
         self.tp_count = N * C
         self.cache: dict = {}
 
@@ -42,8 +50,55 @@ class Templates:
         S = self.S
         if S.moe.ep == 1:
             return []
-        count = S.moe.experts * S.moe.capacity(S.N) * S.cfg.n_embd
-        return [("X", "alltoall", "ep", "moe", count, "ep_alltoall")]
+        return [("X", "alltoall", "ep", "moe", self.moe_count, "ep_alltoall")]
+
+    def _moe_tp(self, kind: str) -> list[tuple]:
+        """MoE with sequence parallelism: the dispatched tokens of every TP rank gathered
+        for the TP-sharded experts, their partial outputs reduce-scattered back."""
+        n = self.S.tp * self.moe_count
+        return [("X", kind, "tp", "moe_tp", n, f"tp_{kind}")]
+
+    def _sp_layer_forward(self, l: int) -> list[tuple]:
+        """Sequence parallel: AG ln1 -> attention -> RS; AG ln2 -> MLP -> RS, or the MoE
+        dispatch on the shard: gate -> A2A(ep) -> AG(tp) -> experts -> RS(tp) -> A2A(ep)."""
+        ag, rs = self._tp("allgather"), self._tp("reduce_scatter")
+        items = [("C", f"fwd_ln1:{l}", 0.0, ())] + ag
+        items += [("C", f"fwd_attn:{l}", self.f_attn, ())] + rs
+        if self.S.moe:
+            items += [("C", f"fwd_gate:{l}", self.f_gate, ())] + self._ep()
+            items += self._moe_tp("allgather") + [("C", f"fwd_expert:{l}", self.f_expert, ())]
+            items += self._moe_tp("reduce_scatter") + self._ep()
+            items += [("C", f"fwd_combine:{l}", 0.0, ())]
+        else:
+            items += [("C", f"fwd_ln2:{l}", 0.0, ())] + ag
+            items += [("C", f"fwd_mlp:{l}", self.f_mlp, ())] + rs
+        return items
+
+    def _sp_layer_backward(self, ch, l: int) -> list[tuple]:
+        """Sequence parallel, Megatron's order: AG d out -> fcproj -> AG ln2 (again, for fc's
+        weight gradient) -> fc -> RS -> ln2 -> AG d out -> proj, attention -> AG ln1 (again)
+        -> qkv -> RS -> ln1 -> AG d out for the layer below (or the embedding). The first AG
+        comes before this layer (the layer above's, or the chunk's start). MoE: the combine
+        needs only the shard; then A2A(ep) -> AG(tp) -> experts -> RS(tp) -> A2A(ep)."""
+        S, ag, rs = self.S, self._tp("allgather"), self._tp("reduce_scatter")
+        if S.moe:
+            items = [("C", f"bwd_combine:{l}", 0.0, ())] + self._ep()
+            items += self._moe_tp("allgather")
+            items += [("C", f"bwd_expert:{l}", 2 * self.f_expert, ())]
+            items += self._moe_tp("reduce_scatter") + self._ep()
+            items += [("C", f"bwd_gate:{l}", 2 * self.f_gate, ())]
+        else:
+            items = [("C", f"bwd_fcproj:{l}", self.f_mlp, ())] + ag
+            items += [("C", f"bwd_mlp:{l}", self.f_mlp, ())] + rs
+        items += [("C", f"bwd_ln2:{l}", 0.0, ())] + ag
+        items += [("C", f"bwd_proj:{l}", 2 * self.f_attn - self.f_qkv_bwd, ())] + ag
+        items += [("C", f"bwd_attn:{l}", self.f_qkv_bwd, ())] + rs
+        last = l == ch.layers[0]
+        items += [("C", f"bwd_ln1:{l}", 0.0, (l, -1) if last and not ch.embed else (l,))]
+        # d out gathered for the embedding's backward, or for the next dense fcproj's
+        if (last and ch.embed) or (not last and not S.moe):
+            items += ag
+        return items
 
     def forward(self, ch) -> list[tuple]:
         S, sp, items = self.S, self.S.sp, []
@@ -51,10 +106,7 @@ class Templates:
             items += [("C", "fwd_embed", 0.0, ())] + self._ar()  # Megatron: allreduce also with SP
         for l in ch.layers:
             if sp:
-                items += [("C", f"fwd_ln1:{l}", 0.0, ())] + self._tp("allgather")
-                items += [("C", f"fwd_attn:{l}", self.f_attn, ())] + self._tp("reduce_scatter")
-                items += [("C", f"fwd_ln2:{l}", 0.0, ())] + self._tp("allgather")
-                items += [("C", f"fwd_mlp:{l}", self.f_mlp, ())] + self._tp("reduce_scatter")
+                items += self._sp_layer_forward(l)
             elif S.moe:
                 items += [("C", f"fwd_attn:{l}", self.f_attn, ())] + self._ar()
                 items += [("C", f"fwd_gate:{l}", self.f_gate, ())] + self._ep()
@@ -78,24 +130,23 @@ class Templates:
 
     def backward(self, ch) -> list[tuple]:
         S, sp, items = self.S, self.S.sp, []
+        # Sequence parallel: the d out of the top layer's fcproj is allgathered (a dense
+        # MLP's row-parallel backward needs it all; the MoE combine only its shard). The LM
+        # head first gathers ln_f's output again for its weight gradient.
+        top_ag = self._tp("allgather") if sp and not S.moe else []
         if ch.head:
+            if sp:
+                items += [("C", "bwd_head_in", 0.0, ())] + self._tp("allgather")
             items += [("C", "bwd_head", 2 * self.f_head, ())]
             items += self._tp("reduce_scatter") if sp else self._ar()
             if sp:
-                items += [("C", "bwd_lnf", 0.0, ())] + self._tp("allgather")
+                items += [("C", "bwd_lnf", 0.0, ())] + top_ag
         elif sp:
-            items += [("C", "bwd_start", 0.0, ())] + self._tp("allgather")
+            items += [("C", "bwd_start", 0.0, ())] + top_ag
         done: tuple = ()  # layers finished by the next compute piece
         for l in reversed(ch.layers):
             if sp:
-                items += [("C", f"bwd_mlp:{l}", 2 * self.f_mlp, ())] + self._tp("reduce_scatter")
-                items += [("C", f"bwd_ln2:{l}", 0.0, ())] + self._tp("allgather")
-                items += [("C", f"bwd_attn:{l}", 2 * self.f_attn, ())] + self._tp("reduce_scatter")
-                last = l == ch.layers[0]
-                done_here = (l, -1) if last and not ch.embed else (l,)
-                items += [("C", f"bwd_ln1:{l}", 0.0, done_here)]
-                if not last or ch.embed:
-                    items += self._tp("allgather")
+                items += self._sp_layer_backward(ch, l)
                 continue
             if S.moe:
                 items += [("C", f"bwd_combine:{l}", 0.0, done)]
