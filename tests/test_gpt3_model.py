@@ -12,7 +12,8 @@ from proxies.core.plan import Collective, Compute, Wait
 from proxies.gpt2.data import Synthetic, batch
 from proxies.gpt2.model import StageModel
 from proxies.gpt3.config import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
-from proxies.gpt3.model import Layout, StageShard, shard
+from proxies.gpt3.layout import Layout, shard
+from proxies.gpt3.model import StageShard
 from proxies.gpt3.proxy import Templates, make_job, parser
 
 T = 32

@@ -13,7 +13,7 @@ from proxies.core.cli import UsageError
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
 from proxies.gpt3.config import PRESETS
-from proxies.gpt3.model import layer_tensors
+from proxies.gpt3.layout import layer_tensors
 from proxies.gpt3.proxy import BufferPool, main, make_job, parser
 
 # spcl/DNN-cpp-proxies gpt3.cpp / gpt3_moe.cpp: GPT-3 175B, micro-batch 1, sequence 2048

@@ -48,7 +48,7 @@ from proxies.gpt3.config import (
     cpp_device_tflops,
     padded_vocab,
 )
-from proxies.gpt3.model import Layout, Unit
+from proxies.gpt3.layout import Layout, Unit
 from proxies.gpt3.templates import Templates
 
 PROG = "proxies.gpt3"
@@ -111,8 +111,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="Megatron's sequence parallelism: each TP allreduce becomes a reduce-scatter "
-        "and an allgather; pipeline messages shrink by tp",
+        help="Megatron's sequence parallelism: per layer 2 allgathers and 2 reduce-scatters "
+        "forward, 4 and 2 backward (qkv's and fc's inputs gathered again); pipeline "
+        "messages shrink by tp; with MoE, Megatron's token dispatch (A2A ep, AG/RS tp)",
     )
     p.add_argument(
         "--schedule",
