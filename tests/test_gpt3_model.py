@@ -12,7 +12,8 @@ from proxies.core.plan import Collective, Compute, Wait
 from proxies.gpt2.data import Synthetic, batch
 from proxies.gpt2.model import StageModel
 from proxies.gpt3.config import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
-from proxies.gpt3.model import Layout, StageShard, shard
+from proxies.gpt3.layout import Layout, shard
+from proxies.gpt3.model import StageShard
 from proxies.gpt3.proxy import Templates, make_job, parser
 
 T = 32
@@ -196,3 +197,122 @@ def test_moe_gradients_match_finite_differences():
         p[i] = old
         fd = (up - down) / (2 * eps)
         assert abs(g[i] - fd) <= 1e-6 + 1e-4 * abs(fd), (which, i, g[i], fd)
+
+
+# Sequence parallelism with MoE. Capacity factor E / k = 2 makes every expert's capacity
+# ceil(2 * 2 * Ns / 4) = Ns, all of a rank's tokens: nothing drops, so routing each sequence
+# shard apart (Megatron's drop-and-pad counts the rank's own tokens) is the same function as
+# routing the whole sequence, and every layout must give the one-process losses.
+MOE_DROPLESS = ["2", "1", *TINY, "--moe-experts", "4", "--capacity-factor", "2.0"]
+SP = ["--sequence-parallel"]
+
+
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        (2, ["--tp", "2", "--micro-batches", "4"]),  # experts TP-sharded, tokens gathered
+        (4, ["--tp", "4", "--micro-batches", "4"]),
+        (4, ["--tp", "2", "--micro-batches", "2", "--ep", "1"]),  # expert-data parallel 2
+        (4, ["--tp", "2", "--micro-batches", "2", "--ep", "2"]),  # A2A(ep) + AG/RS(tp)
+    ],
+    ids=["tp2", "tp4", "tp2-edp2", "tp2-ep2"],
+)
+def test_moe_sequence_parallel_trains_like_one_process(world, extra):
+    want, _ = emulate([*MOE_DROPLESS, "--micro-batches", "4"], 1)
+    got, rts = emulate([*MOE_DROPLESS, *extra, *SP], world)
+    assert rts[0].S.sp and rts[0].model.moe_all.size == rts[0].S.tp * rts[0].model.moe_buf.size
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got[1] < got[0]
+
+
+def test_sequence_parallel_saves_only_sequence_shards():
+    # Megatron keeps the sequence shard of a column-parallel input and gathers it again in
+    # backward: no saved (B, T, C) tensor per layer, only (B, T/tp, C) ones.
+    argv = ["2", "1", "--micro-batches", "1", "--tp", "2", *TINY, *SP]
+    for extra in ([], ["--moe-experts", "4"]):
+        job = make_job(parser().parse_args([*argv, *extra]), 2)
+        model = job.runtime(0, None, None, "real").model
+        st = model._state(0, 0)
+        C = model.S.cfg.n_embd
+        for a in st.layers.values():
+            shapes = {k: v.shape for k, v in vars(a).items() if isinstance(v, np.ndarray)}
+            assert all(s != (1, T, C) for s in shapes.values()), shapes
+            assert shapes["ln1"] == shapes["ln2"] == (1, T // 2, C)
+        assert st.lnf.shape == (1, T // 2, C) and not hasattr(st, "lnf_full")
+
+
+def _lockstep(S: Setup, models: list, items: list) -> float | None:
+    """Run template items on the TP ranks of one stage (ep = dp = 1), collectives emulated."""
+    loss = None
+    for it in items:
+        if it[0] == "C":
+            for m in models:
+                out = m.compute(it[1], 0, 0)
+            loss = out if out is not None else loss
+        else:
+            _, kind, group, buf, count, _ = it
+            assert group == "tp", it
+            names = {"tp": "tp_buf", "ce": "ce_buf", "moe_tp": "moe_all", "sp_grads": "sp_buf"}
+            emulate_collective(
+                Collective(kind, group, buf, count), [getattr(m, names[buf]) for m in models]
+            )
+    return loss
+
+
+def test_moe_sequence_parallel_gradients_match_finite_differences():
+    # tp 2, sequence parallel, capacity 3 of each shard's 12 choices: tokens drop per shard.
+    cfg = GPT3Config("t", 2, 16, 2, vocab_size=40, max_seq_len=8)
+    S = Setup(
+        cfg, 2, 6, 1, 2, 1, 1, 1, True, padded_vocab(40, 2, 8), (range(2),),
+        moe=MoESpec(4, 2, 1.0, 24, 1),
+    )  # fmt: skip
+    assert S.Ns == 6 and S.moe.capacity(S.Ns) == 3
+    models = [StageShard(S, 0, r, dtype=np.float64) for r in range(2)]
+    rng = np.random.default_rng(5)
+    dense = 0.2 * rng.standard_normal(models[0].params.size) * (models[0].params != 0)
+    for m in models:  # replicated tensors stay equal on both ranks, shards differ
+        m.params += dense
+        m.eparams += 0.3 * rng.standard_normal(m.eparams.size)
+    tokens, targets = rng.integers(0, 40, (2, 6)), rng.integers(0, 40, (2, 6))
+    for m in models:
+        m.batch = lambda mb: (tokens, targets)
+    tmpl, ch = Templates(S), S.chunks(0)[0]
+
+    def forward() -> float:
+        return _lockstep(S, models, tmpl.forward(ch))
+
+    forward()
+    _lockstep(S, models, tmpl.backward(ch))
+    lay = Layout(S, 0)
+    eps = 1e-6
+    # replicated tensors (the router, layernorms): gradient = sum over the shards' partials
+    for n, _, o in lay.dense:
+        if not ("gate" in n or "ln_2" in n or "c_attn" in n):
+            continue
+        for i in (0, 5):
+            sharded = "c_attn" in n  # column-parallel: each rank its own rows
+            ranks = [[0], [1]] if sharded else [[0, 1]]
+            for group in ranks:
+                want = sum(models[r].grads[o + i] for r in group)
+                fd = _fd(forward, [models[r].params for r in group], o + i, eps)
+                assert abs(want - fd) <= 1e-6 + 1e-4 * abs(fd), (n, i, group, want, fd)
+    for n, _, o in lay.expert:  # TP-sharded experts: each rank its slice
+        for r in (0, 1):
+            for i in (0, 7, 40):
+                fd = _fd(forward, [models[r].eparams], o + i, eps)
+                got = models[r].egrads[o + i]
+                assert abs(got - fd) <= 1e-6 + 1e-4 * abs(fd), (n, r, i, got, fd)
+
+
+def _fd(f, arrays: list[np.ndarray], i: int, eps: float) -> float:
+    """Central difference of f in element i of every array at once (a replicated tensor)."""
+    old = arrays[0][i]
+    for a in arrays:
+        a[i] = old + eps
+    up = f()
+    for a in arrays:
+        a[i] = old - eps
+    down = f()
+    for a in arrays:
+        a[i] = old
+    return (up - down) / (2 * eps)

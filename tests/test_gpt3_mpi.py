@@ -8,7 +8,7 @@ import json
 
 import pytest
 from launch import mpirun
-from test_gpt3_model import MOE, emulate, reference
+from test_gpt3_model import MOE, MOE_DROPLESS, emulate, reference
 
 TINY = ["--model", "gpt3-tiny", "--seq-len", "32", "--iters", "2", "--warmup", "0", "--quiet"]
 
@@ -98,6 +98,28 @@ def test_8_ranks_moe_expert_parallel_trains_like_one_process(tmp_path):
     assert got["config"]["ep"] == 2 and "ep_alltoall" in got["breakdown_s"]
 
 
+@pytest.mark.parametrize(
+    "stages,m,extra", [("2", "4", []), ("1", "2", ["--ep", "2"])], ids=["tp2-pp2", "tp2-ep2"]
+)
+def test_4_ranks_moe_sequence_parallel_trains_like_one_process(tmp_path, stages, m, extra):
+    # Megatron's MoE layout with TP: sequence parallel, tokens A2A over ep and AG/RS over
+    # tp around the experts. Capacity factor 2 = E / k: nothing drops (test_gpt3_model).
+    want, _ = emulate([*MOE_DROPLESS, "--micro-batches", "4"], 1)
+    argv = ["2", stages, "--tp", "2", "--micro-batches", m, "--compute", "real"]
+    argv += ["--lr", "1e-3", "--moe-experts", "4", "--capacity-factor", "2"]
+    got = run(tmp_path, 4, *argv, "--sequence-parallel", *extra, "--check")
+    assert got["loss"] == pytest.approx(want, rel=1e-5)
+    assert got["config"]["sequence_parallel"] and got["config"]["ep"] == (2 if extra else 1)
+    assert {"tp_allgather", "tp_reduce_scatter"} <= set(got["breakdown_s"])
+    assert ("ep_alltoall" in got["breakdown_s"]) == bool(extra)
+    if not extra:
+        # stage 0 (embedding, layer 0), per micro-batch: AG of ln1 and the MoE tokens
+        # (2 ranks x E 4 x capacity ceil(2 * 2 * 16 / 4) = 16 x C 64 = 8192 floats)
+        # forward; backward the tokens' gradients, proj's d out, ln1 again, the
+        # embedding's d: 4 x B*T*C (2048) + 2 x 8192 floats, 4 micro-batches
+        assert got["bytes"]["tp_allgather"][0] == 4 * 4 * (4 * 2048 + 2 * 8192)
+
+
 @pytest.mark.parametrize("compute", ["none", "model"])
 def test_comm_only_modes_check_every_message(tmp_path, compute):
     got = run(
@@ -119,6 +141,14 @@ def test_comm_only_modes_check_every_message(tmp_path, compute):
     )
     assert "loss" not in got and len(got["iter_time_s"]) == 2
     assert {"ep_alltoall", "tp_allreduce", "dp_allreduce", "pp"} <= set(got["breakdown_s"])
+
+
+def test_comm_only_moe_sequence_parallel_checks_every_message(tmp_path):
+    # compute none: the pooled buffers hold --check's patterns through every A2A, AG, RS
+    argv = ["2", "1", "--tp", "2", "--ep", "2", "--moe-experts", "4", "--sequence-parallel"]
+    got = run(tmp_path, 4, *argv, "--micro-batches", "2", "--compute", "none", "--check")
+    assert "loss" not in got and len(got["iter_time_s"]) == 2
+    assert {"ep_alltoall", "tp_allgather", "tp_reduce_scatter"} <= set(got["breakdown_s"])
 
 
 CASES = [

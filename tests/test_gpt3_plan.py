@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -13,7 +13,7 @@ from proxies.core.cli import UsageError
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
 from proxies.gpt3.config import PRESETS
-from proxies.gpt3.model import layer_tensors
+from proxies.gpt3.layout import layer_tensors
 from proxies.gpt3.proxy import BufferPool, main, make_job, parser
 
 # spcl/DNN-cpp-proxies gpt3.cpp / gpt3_moe.cpp: GPT-3 175B, micro-batch 1, sequence 2048
@@ -136,8 +136,14 @@ GRID = [
 @pytest.mark.parametrize("pp,m,v,schedule", GRID)
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--sequence-parallel"], ["--moe-experts", "4", "--ep", "2"], ["--dp-bucket", "5000"]],
-    ids=["dense", "sp", "moe", "bucket"],
+    [
+        [],
+        ["--sequence-parallel"],
+        ["--moe-experts", "4", "--ep", "2"],
+        ["--moe-experts", "4", "--ep", "2", "--sequence-parallel"],
+        ["--dp-bucket", "5000"],
+    ],
+    ids=["dense", "sp", "moe", "moe-sp", "bucket"],
 )
 def test_plans_validate(pp, m, v, schedule, extra):
     argv = ["8", str(pp), "--model", "gpt3-tiny", "--seq-len", "16", "--tp", "2"]
@@ -209,3 +215,119 @@ def test_messages_beyond_2_31_elements_are_planned_in_64_bit():
     counts = [op.count for op in collectives(plan, "dp")]
     assert len(counts) == 49 and max(counts) == 2 * (12 * 12288**2 + 13 * 12288) > 2**31
     assert BufferPool(plan, 2).size["grad0"] == max(counts)
+
+
+def _tp_traffic_by_piece(plan) -> dict[tuple[str, object], list[Collective]]:
+    """The TP collectives on tp_buf, grouped by the compute piece they belong to: forward
+    the piece before (its output), backward the piece after (its input). Pieces "x:l" map
+    to layer l, others ("fwd_embed", "bwd_head" ...) to their name without the direction."""
+    out: dict[tuple[str, object], list[Collective]] = defaultdict(list)
+    prev, pending = "", []
+
+    def key(name: str) -> tuple[str, object]:
+        way, _, rest = name.partition("_")
+        what, _, layer = rest.partition(":")
+        return way, int(layer) if layer else what
+
+    for op in plan.ops:
+        if isinstance(op, Compute):
+            out[key(op.name)] += pending if op.name.startswith("bwd") else []
+            pending = [] if op.name.startswith("bwd") else pending
+            prev = op.name
+        elif isinstance(op, Collective) and op.group == "tp" and op.buf == "tp":
+            if prev.startswith("fwd"):
+                out[key(prev)].append(op)
+            else:
+                pending.append(op)
+    assert not pending
+    return out
+
+
+SP13B = ["40", "1", "--model", "gpt3-13b", "--tp", "4", "--sequence-parallel"]
+
+
+def test_sequence_parallel_per_layer_traffic_13b(capsys):
+    # Megatron's sequence parallelism, per layer: forward AG before qkv, RS after proj, AG
+    # before fc, RS after fcproj; backward AG of fcproj's d out, AG of fc's input again
+    # (its weight gradient), RS of fc's d input, AG of proj's d out, AG of qkv's input
+    # again, RS of qkv's d input: 4 AG + 2 RS (the allreduce layout's 2 + 2 carried 80%).
+    argv = [*SP13B, "--micro-batches", "1", "--dry-run", "--world-size", "8"]
+    j = make_job(parser().parse_args(argv), 8)
+    plan = j.plan(0)
+    BTC = 1 * 2048 * 5120  # every TP collective is the whole (B,T,C) array, B = 1, T = 2048
+    AG, RS = "allgather", "reduce_scatter"
+    by = _tp_traffic_by_piece(plan)
+    for l in range(40):
+        assert [op.kind for op in by[("fwd", l)]] == [AG, RS, AG, RS], l
+        assert [op.kind for op in by[("bwd", l)]] == [AG, AG, RS, AG, AG, RS], l
+        assert {op.count for op in by[("fwd", l)] + by[("bwd", l)]} == {BTC}
+        assert sum(op.nbytes for op in by[("bwd", l)]) == 6 * 4 * 10_485_760 == 251_658_240
+    # outside the layers: the embedding's allreduce and its backward's AG, ln_f's AG, and
+    # the LM head's (column-parallel, tied to wte) AG of ln_f again and RS of its d input
+    rest = {k: [op.kind for op in v] for k, v in by.items() if not isinstance(k[1], int) and v}
+    assert rest == {
+        ("fwd", "embed"): ["allreduce"],
+        ("fwd", "lnf"): [AG],
+        ("bwd", "head"): [AG],
+        ("bwd", "lnf"): [RS],
+        ("bwd", "embed"): [AG],
+    }
+    # the backward's FLOPs stay twice the forward's, split at the re-gathers: qkv's
+    # 2 x 6BTC^2 / tp after ln1's, fc's 2 x 8BTC^2 / tp after ln2's
+    flops = {op.name: op.flops for op in plan.ops if isinstance(op, Compute)}
+    C, T = 5120, 2048
+    assert flops["bwd_attn:7"] == 12 * T * C * C / 4 and flops["bwd_mlp:7"] == 16 * T * C * C / 4
+    fwd = flops["fwd_attn:7"] + flops["fwd_mlp:7"]
+    bwd = sum(flops[f"bwd_{p}:7"] for p in ("fcproj", "mlp", "proj", "attn"))
+    assert bwd == pytest.approx(2 * fwd, rel=1e-12)
+    # the dry run prints it: 40 x 6 + 4 allgathers (ln_f, the loss's statistics, the LM
+    # head's input, the embedding's d), 40 x 4 + 1 reduce-scatters
+    assert main(argv + ["--show-ranks", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "bwd_fcproj:39 mb 0" in text and "plan valid" in text
+    ag = [line for line in text.splitlines() if " allgather " in line and " 244 " in line]
+    assert ag and f"{243 * BTC + 4 * 3 * 2048:,}" in ag[0]
+    assert any(" reduce_scatter " in line and " 161 " in line for line in text.splitlines())
+
+
+def test_moe_sequence_parallel_plan_tiny():
+    # gpt3-tiny (C 64), T 32, tp 2 x ep 2 (world 4), E 4, k 2, capacity factor 1: a rank
+    # routes its shard of Ns = 32 / 2 = 16 tokens, capacity ceil(1 * 2 * 16 / 4) = 8 slots
+    # per expert; its dispatch is (E, cap, C) = 4 * 8 * 64 = 2048 floats, the TP gather of
+    # every rank's dispatch 2 x 2048.
+    argv = ["2", "1", "--model", "gpt3-tiny", "--seq-len", "32", "--tp", "2", "--ep", "2"]
+    argv += ["--moe-experts", "4", "--capacity-factor", "1", "--micro-batches", "1"]
+    j = job([*argv, "--sequence-parallel"], 4)
+    plan = j.plan(0)
+    a2a, moe_tp = 4 * 8 * 64, 2 * 4 * 8 * 64
+    seq = [
+        (op.name if isinstance(op, Compute) else (op.kind, op.buf, op.count))
+        for op in plan.ops
+        if isinstance(op, Compute) or (isinstance(op, Collective) and op.group in ("tp", "ep"))
+    ]
+    start = seq.index("fwd_ln1:1")
+    BTC = 32 * 64
+    assert seq[start : start + 12] == [
+        "fwd_ln1:1", ("allgather", "tp", BTC),
+        "fwd_attn:1", ("reduce_scatter", "tp", BTC),
+        "fwd_gate:1", ("alltoall", "moe", a2a), ("allgather", "moe_tp", moe_tp),
+        "fwd_expert:1", ("reduce_scatter", "moe_tp", moe_tp), ("alltoall", "moe", a2a),
+        "fwd_combine:1", "fwd_lnf",
+    ]  # fmt: skip
+    start = seq.index("bwd_combine:1")
+    assert seq[start : start + 16] == [
+        "bwd_combine:1", ("alltoall", "moe", a2a), ("allgather", "moe_tp", moe_tp),
+        "bwd_expert:1", ("reduce_scatter", "moe_tp", moe_tp), ("alltoall", "moe", a2a),
+        "bwd_gate:1", "bwd_ln2:1", ("allgather", "tp", BTC),
+        "bwd_proj:1", ("allgather", "tp", BTC),
+        "bwd_attn:1", ("reduce_scatter", "tp", BTC),
+        "bwd_ln1:1", "bwd_combine:0", ("alltoall", "moe", a2a),
+    ]  # fmt: skip
+    # no d(score) allreduce: with SP a rank's combine has its tokens' complete outputs;
+    # the router's gradient is summed over TP with the layernorms' (6C per layer + 4C gate)
+    assert not [op for op in collectives(plan) if op.buf == "moe_dscore"]
+    (sp_grads,) = [op for op in collectives(plan) if op.buf == "sp_grads"]
+    assert sp_grads.count == 2 * (5 * 64 + 4 * 64) + 2 * 64
+    # without SP: every rank routes all 32 tokens, capacity 16, one all-to-all of twice that
+    plain = job(argv, 4).plan(0)
+    assert {op.count for op in collectives(plain, "ep")} == {2 * a2a}

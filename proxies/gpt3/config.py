@@ -134,6 +134,12 @@ class Setup:
         return self.T // self.tp if self.sp else self.T
 
     @property
+    def Ns(self) -> int:
+        """Tokens of a micro-batch each rank holds between TP regions, B * Ts: with MoE, the
+        tokens it routes (its capacity counts them, as Megatron's drop-and-pad does)."""
+        return self.B * self.Ts
+
+    @property
     def act(self) -> int:
         """Elements of one pipeline message (activation or its gradient): B * Ts * C."""
         return self.B * self.Ts * self.cfg.n_embd

@@ -13,16 +13,17 @@ Megatron's tensor parallelism (Shoeybi et al. 2019), per layer:
 - backward mirrors it: the input gradient of a column-parallel matmul is partial, and an
   allreduce completes it before the layernorm backward. Two allreduces forward, two backward;
 - sequence parallelism (Korthikanti et al. 2022) keeps layernorm, residual and dropout on a
-  sequence shard (B,Ts,C): each allreduce becomes a reduce-scatter (after proj / fcproj) and
-  an allgather (before qkv / fc), and backward swaps them; the gradients of the replicated
-  layernorm weights and row-parallel biases are then partial and summed over TP at the end;
+  sequence shard (B,Ts,C): each forward allreduce becomes an allgather (before qkv / fc) and
+  a reduce-scatter (after proj / fcproj); backward gathers qkv's and fc's inputs again for
+  their weight gradients (sp.py); the gradients of the replicated layernorm weights,
+  row-parallel biases and MoE router are then partial and summed over TP at the end;
 - the vocabulary is split over TP: the embedding looks up its Vp/tp rows (zeros for tokens
   outside them) and an allreduce sums the parts; the LM head (tied to wte) computes logits for
   its slice and the cross-entropy combines per-token (max, sum-exp, target logit) of every
   slice (one allgather; Megatron allreduces the max, then the sum-exp and target logit).
 
 The runtime runs a piece, the engine runs the plan's collective on `tp_buf` (or `ce_buf`,
-`moe_buf`), and the next piece reads the result: the model itself never calls MPI.
+`moe_buf`, `moe_all`), and the next piece reads the result: the model itself never calls MPI.
 
 Weights are initialised exactly as proxies.gpt2 (per global tensor, seed) in full and then
 sliced, so every tp gives the unsharded model's loss. Padded vocabulary rows are zero and are
@@ -32,7 +33,6 @@ left out of the softmax (Megatron keeps them as logits), so the loss does not de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -52,132 +52,9 @@ from proxies.gpt2.fast import (
 )
 from proxies.gpt2.model import LAYER_TENSORS, _normal
 from proxies.gpt3.config import Chunk, Setup
+from proxies.gpt3.layout import ATTN_TENSORS, Layout, shard
 from proxies.gpt3.moe import MoEPieces
-
-ATTN_TENSORS = LAYER_TENSORS[:8]  # ln_1, c_attn, c_proj, ln_2: every layer, MoE or not
-MLP_TENSORS = LAYER_TENSORS[8:]
-# Replicated tensors whose gradient is a partial sum over the sequence shards under sequence
-# parallelism (layernorms, row-parallel biases): summed over TP before the optimizer step.
-SP_PARTIAL = ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias")
-
-
-# ----------------------------------------------------------------------------------------
-# layout: which shard of which tensor a rank holds, and where in its flat arrays
-
-
-def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """Shape of rank r's shard of a layer tensor (the same for every r)."""
-    if name.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias")):
-        return (shape[0] // tp, *shape[1:])  # column-parallel: output rows split
-    if name.endswith("c_proj.weight"):
-        return (shape[0], shape[1] // tp)  # row-parallel: input columns split
-    return shape  # replicated: layernorms, row-parallel biases, the MoE gate
-
-
-def shard(name: str, full: np.ndarray, tp: int, r: int) -> np.ndarray:
-    """Rank r's shard of a full tensor. qkv rows are [q; k; v], each split by heads."""
-    if name.endswith(("c_attn.weight", "c_attn.bias")):
-        C = full.shape[0] // 3
-        w = C // tp
-        return np.concatenate([full[i * C + r * w : i * C + (r + 1) * w] for i in range(3)])
-    if name.endswith(("c_fc.weight", "c_fc.bias")):
-        w = full.shape[0] // tp
-        return full[r * w : (r + 1) * w]
-    if name.endswith("c_proj.weight"):
-        w = full.shape[1] // tp
-        return full[:, r * w : (r + 1) * w]
-    return full
-
-
-def layer_tensors(S: Setup) -> tuple[list[tuple[str, tuple]], list[tuple[str, tuple]]]:
-    """(dense, expert) tensors of one layer's shard on one rank: names without the "h.{l}."
-    prefix. Dense ones are reduced over the data-parallel group, expert ones over the
-    expert-data-parallel group."""
-    C, tp, moe = S.cfg.n_embd, S.tp, S.moe
-    full = layer_shapes(C)
-    names = ATTN_TENSORS if moe else LAYER_TENSORS
-    dense = [(n, shard_shape(n, full[n], tp)) for n in names]
-    expert: list[tuple[str, tuple]] = []
-    if moe:
-        dense.append(("moe.gate.weight", (moe.experts, C)))
-        F = moe.ffn_hidden // tp
-        for e in range(moe.local_experts):
-            expert += [(f"experts.{e}.c_fc.weight", (F, C)), (f"experts.{e}.c_proj.weight", (C, F))]
-    return dense, expert
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Parameters whose gradients are complete at the same point of the backward: one layer,
-    or the embedding/head tensors ("extra"). Ranges index the flat dense / expert arrays."""
-
-    chunk: int
-    layer: int  # -1 for the extra unit
-    dense: tuple[int, int]
-    expert: tuple[int, int]
-
-    @property
-    def size(self) -> int:
-        return self.dense[1] - self.dense[0] + self.expert[1] - self.expert[0]
-
-
-class Layout:
-    """Where each tensor of a rank lives in its two flat arrays (dense, expert).
-
-    Per chunk: the extra tensors first (wte shard, wpe, ln_f; on the chunk that finishes them
-    last: the embedding chunk, else the head chunk), then its layers bottom to top. A
-    gradient bucket, consecutive units in backward order, is then one contiguous range.
-    `units` lists each chunk's units in the order its backward completes them.
-    """
-
-    def __init__(self, S: Setup, stage: int) -> None:
-        C = S.cfg.n_embd
-        self.chunks = S.chunks(stage)
-        owner = next((ch for ch in self.chunks if ch.embed), None)
-        owner = owner or next((ch for ch in self.chunks if ch.head), None)
-        self.dense: list[tuple[str, tuple, int]] = []
-        self.expert: list[tuple[str, tuple, int]] = []
-        self.units: list[Unit] = []
-        self.sp_ranges: list[tuple[int, int]] = []
-        self.wte: tuple[int, int] | None = None
-        d = e = 0
-        dense_layer, expert_layer = layer_tensors(S)
-        for ch in self.chunks:
-            units: list[Unit] = []
-            if ch is owner:
-                extra = [("wte", (S.vocab // S.tp, C))]
-                if any(c.embed for c in self.chunks):
-                    extra.append(("wpe", (S.cfg.max_seq_len, C)))
-                if any(c.head for c in self.chunks):
-                    extra += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
-                start = d
-                for name, shape in extra:
-                    if name == "wte":
-                        self.wte = (d, d + math.prod(shape))
-                    if name.startswith("ln_f"):
-                        self.sp_ranges.append((d, d + math.prod(shape)))
-                    self.dense.append((name, shape, d))
-                    d += math.prod(shape)
-                extra_unit = Unit(ch.index, -1, (start, d), (e, e))
-            for l in ch.layers:
-                d0, e0 = d, e
-                for name, shape in dense_layer:
-                    size = math.prod(shape)
-                    if name in SP_PARTIAL or name == "mlp.c_proj.bias":
-                        self.sp_ranges.append((d, d + size))
-                    self.dense.append((f"h.{l}.{name}", shape, d))
-                    d += size
-                for name, shape in expert_layer:
-                    self.expert.append((f"h.{l}.{name}", shape, e))
-                    e += math.prod(shape)
-                units.append(Unit(ch.index, l, (d0, d), (e0, e)))
-            units.reverse()  # backward completes the top layer first
-            if ch is owner:
-                units.append(extra_unit)
-            self.units += units
-        self.dense_size, self.expert_size = d, e
-        self.sp_size = sum(b - a for a, b in self.sp_ranges)
-
+from proxies.gpt3.sp import SequenceParallelPieces
 
 # ----------------------------------------------------------------------------------------
 # real compute
@@ -213,7 +90,7 @@ def _init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) ->
     return out
 
 
-class StageShard(MoEPieces):
+class StageShard(MoEPieces, SequenceParallelPieces):
     """The real compute of one rank: its chunks' layers, TP rank r's shard of each tensor.
 
     compute(name, mb, chunk) runs one piece ("fwd_attn:5", "bwd_head" ...); pieces of one
@@ -250,13 +127,18 @@ class StageShard(MoEPieces):
         if moe:
             El = moe.local_experts
             self.experts = range(ep_rank * El, (ep_rank + 1) * El)
-            self.cap = moe.capacity(S.N)
+            self.cap = moe.capacity(S.Ns)
         self._init_params(seed)
         # Buffers the plan's collectives run on (see the module docstring).
         self.tp_buf = np.zeros(S.N * C, dtype=self.dtype)
         self.ce_buf = np.zeros(tp * 3 * S.N, dtype=self.dtype)
-        self.moe_buf = np.zeros(moe.experts * self.cap * C if moe else 0, dtype=self.dtype)
-        self.dscore_buf = np.zeros(S.N * moe.top_k if moe else 0, dtype=self.dtype)
+        # MoE: moe_buf (E, cap, C) is this rank's dispatch (all-to-all over ep); with
+        # sequence parallelism it is block r of moe_all, which gathers every TP rank's for
+        # the experts (moe.py). Without, moe_all is moe_buf.
+        sources = tp if S.sp else 1
+        self.moe_all = np.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
+        self.moe_buf = self.moe_all.reshape(sources, -1)[tp_rank if S.sp else 0]
+        self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
         self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
         self.saved: dict[tuple[int, int], SimpleNamespace] = {}  # (mb, chunk) in flight
@@ -310,23 +192,6 @@ class StageShard(MoEPieces):
         S = self.S
         return self.tp_buf.reshape(S.B, S.T, S.cfg.n_embd)
 
-    def _blocks(self) -> np.ndarray:
-        """tp_buf as (tp,B,Ts,C): block i is rank i's sequence shard (allgather and
-        reduce-scatter work on contiguous blocks of the flat buffer)."""
-        S = self.S
-        return self.tp_buf.reshape(S.tp, S.B, S.T // S.tp, S.cfg.n_embd)
-
-    def _gather(self, out: np.ndarray) -> np.ndarray:
-        """out (B,T,C) = the allgathered shards in tp_buf."""
-        S = self.S
-        out.reshape(S.B, S.tp, S.T // S.tp, -1)[...] = self._blocks().transpose(1, 0, 2, 3)
-        return out
-
-    def _scatter(self, full: np.ndarray) -> None:
-        """tp_buf blocks = full (B,T,C) cut into sequence shards, for a reduce-scatter."""
-        S = self.S
-        self._blocks()[...] = full.reshape(S.B, S.tp, S.T // S.tp, -1).transpose(1, 0, 2, 3)
-
     def _partial_out(self) -> np.ndarray:
         """Where a row-parallel matmul writes its partial (B,T,C): straight into tp_buf for
         an allreduce, a scratch to be cut into shards for a reduce-scatter."""
@@ -371,14 +236,11 @@ class StageShard(MoEPieces):
                 ln2_rstd=e(B, Ts),
                 res3=e(B, Ts, C),
             )
-            if S.sp:
-                a.ln1_full, a.ln2_full = e(B, T, C), e(B, T, C)
             if not S.moe:
                 a.fch, a.fch_gelu = e(B, T, 4 * C // tp), e(B, T, 4 * C // tp)
             st.layers[l] = a
         if ch.head:
             st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(B, Ts), e(B, Ts), e(B, T)
-            st.lnf_full = e(B, T, C) if S.sp else st.lnf
         return st
 
     def _free(self, mb: int, c: int) -> None:
@@ -390,7 +252,8 @@ class StageShard(MoEPieces):
     def compute(self, name: str, mb: int, chunk: int) -> float | None:
         """Run one piece; returns the micro-batch's mean loss from "fwd_loss", else None."""
         kind, _, layer = name.partition(":")
-        fn = getattr(self, "_" + kind, None)
+        fn = getattr(self, "_sp_" + kind, None) if self.S.sp else None
+        fn = fn or getattr(self, "_" + kind, None)
         if fn is None or not kind.startswith(("fwd_", "bwd_")):
             raise ValueError(f"unknown compute op {name!r}")
         ch = self.chunks[chunk]
@@ -443,20 +306,11 @@ class StageShard(MoEPieces):
             a.res3 += self.w[f"h.{l}.mlp.c_proj.bias"]
         return a.res3
 
-    def _fwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: layernorm on the shard, into tp_buf for the allgather."""
-        a, w = st.layers[l], self.w
-        a.inp = self._layer_input(st, ch, mb, l)
-        layernorm_forward(
-            a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[f"h.{l}.ln_1.weight"], w[f"h.{l}.ln_1.bias"]
-        )
-        self._blocks()[self.r] = a.ln1
-
     def _fwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
         """ln1 (unless sequence parallel did it), qkv for local heads, attention, partial proj."""
         a, w, p = st.layers[l], self.w, f"h.{l}."
-        if self.S.sp:
-            ln1 = self._gather(a.ln1_full)
+        if self.S.sp:  # gathered for the matmul, not kept: backward gathers it again
+            ln1 = self._gathered("input")
         else:
             a.inp = self._layer_input(st, ch, mb, l)
             ln1 = a.ln1
@@ -479,16 +333,11 @@ class StageShard(MoEPieces):
             a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w[p + "ln_2.weight"], w[p + "ln_2.bias"]
         )
 
-    def _fwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: residual and ln2 on the shard, into tp_buf for the allgather."""
-        self._finish_attn(st, l)
-        self._blocks()[self.r] = st.layers[l].ln2
-
     def _fwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
         """fc (local 4C/tp rows), GELU, partial fcproj."""
         a, w, p = st.layers[l], self.w, f"h.{l}.mlp."
         if self.S.sp:
-            ln2 = self._gather(a.ln2_full)
+            ln2 = self._gathered("input")
         else:
             self._finish_attn(st, l)
             ln2 = a.ln2
@@ -510,18 +359,19 @@ class StageShard(MoEPieces):
             st.lnf, st.lnf_mean, st.lnf_rstd, x, self.w["ln_f.weight"], self.w["ln_f.bias"]
         )
         if self.S.sp:
-            self._blocks()[self.r] = st.lnf
+            self._share(st.lnf)
 
     def _fwd_head(self, st, ch: Chunk, mb: int) -> None:
         """Logits of this rank's vocabulary slice; per token (max, sum-exp, target logit) into
         this rank's block of ce_buf for the allgather."""
         S = self.S
-        if not S.sp:
-            self._fwd_lnf(st, ch, mb)
+        if S.sp:
+            x = self._gathered("input")
         else:
-            self._gather(st.lnf_full)
+            self._fwd_lnf(st, ch, mb)
+            x = st.lnf
         _, st.targets = self.batch(mb)
-        x = st.lnf_full.reshape(-1, S.cfg.n_embd)
+        x = x.reshape(-1, S.cfg.n_embd)
         t = st.targets.reshape(-1) - self.lo
         stats = self.ce_buf.reshape(S.tp, 3, S.N)[self.r]
         mx, se, tl = stats
@@ -564,9 +414,10 @@ class StageShard(MoEPieces):
 
     def _bwd_head(self, st, ch: Chunk, mb: int) -> None:
         """dlogits = (softmax - onehot) * scale / N on this slice; partial dx into tp_buf;
-        wte gradient of this slice (the tied LM head)."""
+        wte gradient of this slice (the tied LM head). Sequence parallel: with ln_f's output
+        gathered again (sp.py), cut for the reduce-scatter."""
         S, C = self.S, self.S.cfg.n_embd
-        x = st.lnf_full.reshape(-1, C)
+        x = (self._gathered("input") if S.sp else st.lnf).reshape(-1, C)
         t = st.targets.reshape(-1) - self.lo
         lse = st.lse.reshape(-1)
         out = self._partial_out().reshape(-1, C)
@@ -627,30 +478,18 @@ class StageShard(MoEPieces):
         self._finish_ln1(st, l + 1)
         return st.dres
 
-    def _bwd_start(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel, not the head chunk: the received gradient, for the allgather."""
-        self._blocks()[self.r] = self._dres_top(st, ch, mb)
-
-    def _bwd_lnf(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel, head chunk: ln_f backward on the shard, for the allgather."""
-        self._blocks()[self.r] = self._dres_top(st, ch, mb)
-
-    def _dout_full(self, st) -> np.ndarray:
-        """The (B,T,C) gradient a row-parallel matmul's backward needs: dres itself, or under
-        sequence parallelism the allgather of every rank's dres shard."""
-        S = self.S
-        if S.sp:
-            return self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
-        return st.dres
-
     def _bwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """fcproj, GELU and fc backward: partial dln2 into tp_buf."""
+        """fcproj, GELU and fc backward: partial dln2 into tp_buf for the allreduce."""
+        self._layer_dres(st, ch, mb, l)
+        self._mlp_out_backward(st, l, st.dres)
+        self._mlp_in_backward(st, l, st.layers[l].ln2, self._full())
+
+    def _mlp_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+        """fcproj (row-parallel) and GELU backward: dfch in a scratch for fc's backward.
+        dout is the (B,T,C) output gradient; the bias is added after the reduction, so its
+        gradient is dres (the shard under sequence parallelism: summed over TP later)."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.mlp."
-        if not S.sp:
-            self._layer_dres(st, ch, mb, l)
-        dout = self._dout_full(st)
-        # the bias is added after the reduction: its gradient is dres (the shard under SP)
         g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
         dgelu = self.scratch("dfch_gelu", S.B, S.T, 4 * C // S.tp)
         dfch = self.scratch("dfch", S.B, S.T, 4 * C // S.tp)
@@ -659,13 +498,15 @@ class StageShard(MoEPieces):
         wn = p + "c_proj.weight"
         matmul_backward(dgelu, g[wn], None, dout, a.fch_gelu, w[wn])
         gelu_backward(dfch, a.fch, dgelu)
-        out = self._partial_out()
+
+    def _mlp_in_backward(self, st, l: int, ln2: np.ndarray, out: np.ndarray) -> None:
+        """fc (column-parallel) backward from the scratch dfch: weight gradient with its
+        input ln2 (B,T,C), the partial input gradient into out."""
+        S, w, g, p = self.S, self.w, self.g, f"h.{l}.mlp."
+        dfch = self.scratch("dfch", S.B, S.T, 4 * S.cfg.n_embd // S.tp)
         out.fill(0)
-        ln2 = a.ln2_full if S.sp else a.ln2
         wn = p + "c_fc.weight"
         matmul_backward(out, g[wn], g[p + "c_fc.bias"], dfch, ln2, w[wn])
-        if S.sp:
-            self._scatter(out)
 
     def _finish_ln2(self, st, l: int) -> None:
         """dres += ln2 backward (dln2 reduced in tp_buf): dres becomes dL/d res2."""
@@ -681,18 +522,16 @@ class StageShard(MoEPieces):
             a.ln2_rstd,
         )
 
-    def _bwd_ln2(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: ln2 backward on the shard, dres into tp_buf for the allgather."""
-        self._finish_ln2(st, l)
-        self._blocks()[self.r] = st.dres
-
     def _bwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """proj, attention and qkv backward: partial dln1 into tp_buf."""
+        """proj, attention and qkv backward: partial dln1 into tp_buf for the allreduce."""
+        self._finish_ln2(st, l)
+        self._attn_out_backward(st, l, st.dres)
+        self._attn_in_backward(st, l, st.layers[l].ln1, self._full())
+
+    def _attn_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+        """proj (row-parallel) and attention backward: dqkv in a scratch for qkv's."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.attn."
-        if not S.sp:
-            self._finish_ln2(st, l)
-        dout = self._dout_full(st)
         g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
         datty = self.scratch("datty", S.B, S.T, C // S.tp)
         dqkv = self.scratch("dqkv", S.B, S.T, 3 * C // S.tp)
@@ -701,22 +540,15 @@ class StageShard(MoEPieces):
         wn = p + "c_proj.weight"
         matmul_backward(datty, g[wn], None, dout, a.atty, w[wn])
         attention_backward(dqkv, datty, a.qkv, a.att, self.NHl)
-        out = self._partial_out()
+
+    def _attn_in_backward(self, st, l: int, ln1: np.ndarray, out: np.ndarray) -> None:
+        """qkv (column-parallel) backward from the scratch dqkv: weight gradient with its
+        input ln1 (B,T,C), the partial input gradient into out."""
+        S, w, g, p = self.S, self.w, self.g, f"h.{l}.attn."
+        dqkv = self.scratch("dqkv", S.B, S.T, 3 * S.cfg.n_embd // S.tp)
         out.fill(0)
-        ln1 = a.ln1_full if S.sp else a.ln1
         wn = p + "c_attn.weight"
         matmul_backward(out, g[wn], g[p + "c_attn.bias"], dqkv, ln1, w[wn])
-        if S.sp:
-            self._scatter(out)
-
-    def _bwd_ln1(self, st, ch: Chunk, mb: int, l: int) -> None:
-        """Sequence parallel: ln1 backward on the shard; dres into tp_buf for the next
-        allgather (a lower layer, or the embedding), or out as the stage's input gradient."""
-        self._finish_ln1(st, l)
-        if l != ch.layers[0] or ch.embed:
-            self._blocks()[self.r] = st.dres
-        else:
-            self._send_grad(st, ch, mb)
 
     def _send_grad(self, st, ch: Chunk, mb: int) -> None:
         self.message("grad_in", mb, ch.index)[...] = st.dres
@@ -730,12 +562,6 @@ class StageShard(MoEPieces):
             self._embed_backward(st, ch, mb, st.dres)
         else:
             self._send_grad(st, ch, mb)
-
-    def _bwd_embed(self, st, ch: Chunk, mb: int) -> None:
-        """Sequence parallel: the embedding backward on the allgathered gradient."""
-        S = self.S
-        d = self._gather(self.scratch("dout", S.B, S.T, S.cfg.n_embd))
-        self._embed_backward(st, ch, mb, d)
 
     def _embed_backward(self, st, ch: Chunk, mb: int, d: np.ndarray) -> None:
         S, C = self.S, self.S.cfg.n_embd
