@@ -12,8 +12,9 @@ THREAD_LEVELS = {0: "single", 1: "funneled", 2: "serialized", 3: "multiple"}
 
 
 def init():
-    """Start MPI (thread level multiple: see DESIGN.md on MPICH's spinning shared-memory
-    collectives when ranks outnumber cores) and return the MPI module."""
+    """Start MPI at thread level multiple (which also keeps MPICH off its shared-memory
+    collectives, which spin and collapse when ranks outnumber cores) and return the MPI
+    module."""
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"

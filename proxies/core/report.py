@@ -67,7 +67,7 @@ def human_bytes(n: float) -> str:
 
 def summarize(rows: list[dict]) -> dict:
     """Combine per-rank rows ({"rank", "label", "iter_s": [...], "seconds": {cat: [...]},
-    "bytes": {cat: n}}) into the result fields of DESIGN.md."""
+    "bytes": {cat: n}}) into the result fields the README lists under --json."""
     rows = sorted(rows, key=lambda r: r["rank"])
     iters = np.array([r["iter_s"] for r in rows])  # (ranks, iterations)
     cats = ordered({c for r in rows for c in r["seconds"]})

@@ -196,7 +196,7 @@ def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
     Ideal time is m forward+backward passes of one stage. With 1F1B or GPipe the bubble is
     (pp-1) passes, so the iteration takes (m + pp - 1)/m of ideal; interleaving divides the
     bubble by v (Narayanan et al. 2021). As a fraction of the whole iteration it is
-    b / (1 + b) = (pp-1) / (v*m + pp-1), DESIGN.md's (p-1)/(m+p-1) for v = 1.
+    b / (1 + b) = (pp-1) / (v*m + pp-1), the familiar (p-1)/(m+p-1) for v = 1.
     """
     if pp < 1 or m < 1 or v < 1:
         raise ValueError(f"need pp >= 1, m >= 1, v >= 1, got pp = {pp}, m = {m}, v = {v}")
