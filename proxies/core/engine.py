@@ -378,9 +378,8 @@ class Engine:
         elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
         elif op.kind in ("allgather", "reduce_scatter") and (
-            len({b.size for b in check.blocks(flat, n, op.unit)}) > 1
+            len(set(counts := [b.size for b in check.blocks(flat, n, op.unit)])) > 1
         ):
-            counts = [b.size for b in check.blocks(flat, n, op.unit)]
             displs = np.cumsum([0] + counts[:-1]).tolist()
             spec = [x, (counts, displs), wire.mpi_type(MPI, flat.dtype)]
             calls = [
@@ -435,26 +434,21 @@ class Engine:
         """After completion: place the reduce-scatter shard, run --check, widen a staged
         result into the compute buffer."""
         comm = self.comms[op.group]
-        if op.kind == "alltoallv":
-            error = check.verify_v(*state) if self.check else None
-            if error:
-                raise CheckError(
-                    f"--check: alltoallv over group {op.group} ({op.buf}, iteration "
-                    f"{self.iteration}) on rank {self.world.rank}: {error}"
-                )
-            return
         if op.kind == "reduce_scatter" and comm.rank:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
             blocks = check.blocks(out, comm.size, op.unit)
             blocks[comm.rank][...] = out.reshape(-1)[: blocks[comm.rank].size]
-        if self.check:
+        error = None
+        if self.check and op.kind == "alltoallv":
+            error = check.verify_v(*state)
+        elif self.check:
             error = check.verify(self.MPI, op.kind, comm, out, state, op.unit)
-            if error:
-                raise CheckError(
-                    f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "
-                    f"{self.iteration}) on rank {self.world.rank}: {error}"
-                )
-        self._widen(out, buf, t)
+        if error:
+            raise CheckError(
+                f"--check: {op.kind} over group {op.group} ({op.buf}, iteration "
+                f"{self.iteration}) on rank {self.world.rank}: {error}"
+            )
+        self._widen(out, buf, t)  # alltoallv's `out` is its send buffer: nothing to widen
 
     def _collective(self, op: Collective, t: IterationTimes) -> None:
         MPI = self.MPI

@@ -5,7 +5,8 @@ expert-parallel traffic, `--grad-dtype` that of gradient reductions: fp32, bf16 
 A plan's Msg and Collective carry that wire dtype. NumPy computes in float32, so the engine
 rounds a float32 buffer into a staging buffer of the wire dtype before it leaves (round to
 nearest even, as a GPU's conversion does), and widens what arrives back into the float32
-buffer. Comm-only runs allocate their buffers in the wire dtype and send them as they are.
+buffer. A buffer already of the wire dtype goes as it is; without real compute (model,
+none) the staging buffer is used without the rounding pass, since the values mean nothing.
 
 MPI has no standard bfloat16 or float16 type (MPI 4.1), so 16-bit floats travel as
 MPI_UINT16_T words: their bytes are exactly what a bf16 training run would send. Sums use
@@ -51,8 +52,7 @@ def mpi_type(MPI, dtype):
 
 def epsilon(dtype) -> float:
     """Unit roundoff bound used by --check: the dtype's machine epsilon."""
-    dtype = np.dtype(dtype)
-    return float(ml_dtypes.finfo(dtype).eps if dtype == BFLOAT16 else np.finfo(dtype).eps)
+    return float(ml_dtypes.finfo(np.dtype(dtype)).eps)  # NumPy's floats and bfloat16 alike
 
 
 _ops: dict = {}
