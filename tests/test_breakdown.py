@@ -116,7 +116,7 @@ def test_gpt2_pipeline_takes_the_simulated_schedule_plus_its_communication(tmp_p
         + ["--json", str(dry)]
     )
     assert r.returncode == 0, r.stderr
-    schedule = json.loads(dry.read_text())["predicted_iter_time_s"]
+    schedule = json.loads(dry.read_text())["free_comm_iter_time_s"]
     result = run(tmp_path, 4, "proxies.gpt2", *args, "--iters", "2", "--warmup", "1")
     assert_adds_up(result)
     per = result["breakdown_per_rank_s"]

@@ -77,6 +77,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+class _Given(argparse.Action):
+    """Store the value and remember it came from the command line (a machine file's figure
+    then does not replace it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_given", True)
+
+
 COMPUTE_HELP = (
     "real: run the NumPy kernels every micro-batch; replay: time each compute op with the "
     "real kernels once, ranks on a node taking turns, then sleep those times "
@@ -114,6 +123,7 @@ def add_common(
     g.add_argument(
         "--device-tflops",
         type=positive_float,
+        action=_Given,
         default=150.0,
         metavar="TFLOPS",
         help="achieved device rate for --compute model, in TFLOP/s (default 150: "
@@ -223,3 +233,14 @@ def run_main(
 def wire_dtypes(args) -> tuple[str, str]:
     """(activation/parallel traffic dtype, gradient dtype) as plan dtype names."""
     return WIRE_DTYPES[args.dtype], WIRE_DTYPES[args.grad_dtype]
+
+
+def use_machine(args):
+    """The machine model of --machine (None without it), with what it implies for the run:
+    its device rate becomes --device-tflops unless that was given."""
+    if not getattr(args, "machine", None):
+        return None
+    m = machine(args)
+    if m.device_flops and not getattr(args, "device_tflops_given", False):
+        args.device_tflops = m.device_flops / 1e12
+    return m

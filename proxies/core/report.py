@@ -100,7 +100,11 @@ def console():
     return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=True)
 
 
-def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
+def print_report(
+    result: dict, header: list[str], quiet: bool = False, predicted: bool = False
+) -> None:
+    """The measured (or, predicted=True, the predicted) iteration: summary, categories,
+    stages."""
     from rich.table import Table
 
     out = console()
@@ -111,6 +115,8 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
         f"min {s['min']:.4f} s, max {s['max']:.4f} s over {n} timed iterations "
         f"(max over ranks)"
     )
+    if predicted:
+        summary = f"predicted time per iteration: {s['mean']:.4f} s"
     if quiet:
         out.print(summary)
         return
@@ -119,7 +125,8 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
     out.print(summary)
 
     mean_iter = s["mean"]
-    t = Table(title="where the time went, per iteration", title_justify="left")
+    where = "where the time would go" if predicted else "where the time went"
+    t = Table(title=f"{where}, per iteration", title_justify="left")
     t.add_column("category")
     t.add_column("mean over ranks", justify="right")
     t.add_column("max over ranks", justify="right")
@@ -147,7 +154,9 @@ def print_report(result: dict, header: list[str], quiet: bool = False) -> None:
     if len(groups) > 1:
         cats = list(result["breakdown_per_rank_s"])
         t = Table(
-            title="per stage, mean over its ranks, seconds per iteration", title_justify="left"
+            title=("predicted " if predicted else "")
+            + "per stage, mean over its ranks, seconds per iteration",
+            title_justify="left",
         )
         t.add_column("ranks")
         for c in cats:

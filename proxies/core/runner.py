@@ -50,6 +50,9 @@ class Job:
     dtypes: tuple[str, str] = ("float32", "float32")
     grad_categories: frozenset[str] = frozenset()
     fp32_buffers: frozenset[str] = frozenset()
+    # Grid dimensions whose members run the same plan op for op (replicas): a prediction of
+    # a large world simulates one rank per combination of the other coordinates.
+    fold: tuple[str, ...] = ("dp",)
 
     def __post_init__(self) -> None:
         act, grad = self.dtypes
@@ -74,18 +77,32 @@ class Job:
 # -- dry run -------------------------------------------------------------------------------
 
 
-def dry_run(job: Job, args) -> int:
+def dry_run(job: Job, args, machine=None) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
+    from proxies.core import prediction
     from proxies.core.simulate import PlanError, simulate
 
     world = job.grid.size
-    plans = [job.plan(r) for r in range(world)]
+    first = job.plan(0)
+    dims = prediction.fold_dims(job, world, len(first.ops))
+    if dims:
+        reps = sorted(set(prediction.representatives(job.grid, dims).tolist()))
+    else:
+        reps = list(range(world))
+    plans = {r: first if r == 0 else job.plan(r) for r in reps}
     console = report.console()
     for line in job.header:
         console.print(line)
 
-    t = Table(title="plan of one iteration, per rank", title_justify="left")
+    title = "plan of one iteration, per rank"
+    if dims:
+        title += (
+            f" ({len(reps)} representatives of {world}: ranks differing only in "
+            f"{'/'.join(dims)} run the same plan)"
+        )
+    t = Table(title=title, title_justify="left")
     for col in (
         "rank",
         "stage",
@@ -98,7 +115,7 @@ def dry_run(job: Job, args) -> int:
         "collective bytes",
     ):
         t.add_column(col, justify="right" if col not in ("stage", "coords") else "left")
-    for p in plans:
+    for p in plans.values():
         b = p.bytes_by_category()
         sent = sum(v for k, v in b.items() if k.endswith("_send"))
         recv = sum(v for k, v in b.items() if k.endswith("_recv"))
@@ -116,50 +133,66 @@ def dry_run(job: Job, args) -> int:
         )
     console.print(t)
 
-    for r in show_ranks(args.show_ranks, job, world):
+    for r in show_ranks(args.show_ranks, job, world, reps):
         t = Table(title=f"rank {r} ({job.label(r)}): ops in order", title_justify="left")
         for col in ("#", "op", "group", "peer", "buffer", "elements", "bytes"):
             t.add_column(col, justify="right" if col in ("#", "elements", "bytes") else "left")
-        for i, op in enumerate(plans[r].ops):
+        for i, op in enumerate(plans[r].ops if r in plans else job.plan(r).ops):
             for row in op_rows(op):
                 t.add_row(str(i), *row)
         console.print(t)
 
     rate = args.device_tflops * 1e12
+    checked = (
+        prediction.validation_plans(job, world, plans.__getitem__, dims)
+        if dims
+        else list(plans.values())
+    )
     try:
         sim = simulate(
-            plans, cost=lambda rank, op: op.model_seconds(rate) if isinstance(op, Compute) else 0.0
+            checked,
+            cost=lambda rank, op: op.model_seconds(rate) if isinstance(op, Compute) else 0.0,
         )
     except PlanError as e:
-        from rich.markup import escape
-
         console.print(f"[bold red]plan is invalid[/]: {escape(str(e))}")
         return 1
-    nmsg = sum(1 for p in plans for _, _, d in p.messages() if d == "send")
-    computes = ([op for op in p.ops if isinstance(op, Compute)] for p in plans)
+    nmsg = sum(1 for p in checked for _, _, d in p.messages() if d == "send")
+    computes = ([op for op in p.ops if isinstance(op, Compute)] for p in checked)
     busy = max(sum(op.model_seconds(rate) for op in ops) for ops in computes)
+    which = f"{world} ranks" if not dims else f"{len(reps)} representatives of {world} ranks"
     console.print(
-        f"plan valid: {world} ranks, {nmsg:,} messages matched, no deadlock. Predicted "
-        f"iteration with compute=model (known per-op times where the proxy has them, else "
-        f"FLOPs at {args.device_tflops:g} TFLOP/s) and free "
-        f"communication: {sim.time:.4f} s (the busiest rank computes {busy:.4f} s of it)"
+        f"plan valid: {which}, {nmsg:,} messages matched, no deadlock. Iteration with "
+        f"compute=model (known per-op times where the proxy has them, else FLOPs at "
+        f"{args.device_tflops:g} TFLOP/s) and free communication: {sim.time:.4f} s (the "
+        f"busiest rank computes {busy:.4f} s of it)"
+        + ("" if machine else "; --machine FILE predicts communication too")
     )
+    out = {
+        "proxy": job.proxy,
+        "dry_run": True,
+        "config": job.config,
+        "world_size": world,
+        "grid": job.grid.describe(),
+        "free_comm_iter_time_s": sim.time,
+    }
+    rep_of = prediction.representatives(job.grid, dims) if dims else range(world)
+    by_rep = {r: p.bytes_by_category() for r, p in plans.items()}
+    out["bytes"] = {
+        c: [by_rep[int(rep_of[r])].get(c, 0) for r in range(world)]
+        for c in sorted({c for b in by_rep.values() for c in b})
+    }
+    if machine is not None:
+        try:
+            pred, note = prediction.run_prediction(job, args, machine)
+        except PlanError as e:
+            console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
+            return 1
+        result = prediction.as_result(pred, job, world)
+        console.print(note)
+        report.print_report(result, [], predicted=True)
+        out |= prediction.json_fields(pred, result, note)
     if args.json:
-        report.write_json(
-            args.json,
-            {
-                "proxy": job.proxy,
-                "dry_run": True,
-                "config": job.config,
-                "world_size": world,
-                "grid": job.grid.describe(),
-                "predicted_iter_time_s": sim.time,
-                "bytes": {
-                    c: [p.bytes_by_category().get(c, 0) for p in plans]
-                    for c in sorted({c for p in plans for c in p.bytes_by_category()})
-                },
-            },
-        )
+        report.write_json(args.json, out)
     return 0
 
 
@@ -187,12 +220,12 @@ def op_rows(op) -> list[tuple[str, ...]]:
     return [(describe(op), "", "", "", "", "")]
 
 
-def show_ranks(spec: str | None, job: Job, world: int) -> list[int]:
+def show_ranks(spec: str | None, job: Job, world: int, reps=None) -> list[int]:
     if spec == "all" or (spec is None and world <= 16):
         return list(range(world))
     if spec is None:
         seen, ranks = set(), []
-        for r in range(world):
+        for r in reps if reps is not None else range(world):
             if job.label(r) not in seen:
                 seen.add(job.label(r))
                 ranks.append(r)
@@ -283,7 +316,7 @@ def book_overhead_and_tail(MPI, world, timed: list[IterationTimes]) -> None:
         t.total = end
 
 
-def run(job: Job, args, MPI) -> int:
+def run(job: Job, args, MPI, machine=None) -> int:
     from proxies.core.mpi import Watchdog, abort_on_exception
     from proxies.core.mpi import describe as mpi_describe
 
@@ -348,6 +381,8 @@ def run(job: Job, args, MPI) -> int:
         "bytes": plan.bytes_by_category(),
     }
     rows = world.gather(row, root=0)
+    # replayed compute times per rank, for the prediction beside the measurement
+    replays = world.gather(replay, root=0) if machine is not None and replay else None
     total_loss = np.zeros_like(losses)
     world.Reduce(losses, total_loss, op=MPI.SUM, root=0)
     watchdog.stop()
@@ -372,7 +407,25 @@ def run(job: Job, args, MPI) -> int:
     report.print_report(result, job.header + [run_line(result, args)], quiet=args.quiet)
     if args.json:
         report.write_json(args.json, result)
+    if machine is not None:
+        compare(job, args, machine, result, replays)
     return 0
+
+
+def compare(job: Job, args, machine, result: dict, replays) -> None:
+    """--machine on a real run: the prediction beside the measurement (rank 0, after the
+    measured results are written, so a failing prediction loses nothing)."""
+    from proxies.core import prediction
+
+    console = report.console()
+    replay = dict(enumerate(replays)) if replays else None
+    pred, note = prediction.run_prediction(job, args, machine, replay=replay)
+    predicted = prediction.as_result(pred, job, job.grid.size)
+    console.print(note)
+    prediction.print_comparison(result, predicted, console)
+    result |= prediction.json_fields(pred, predicted, note)
+    if args.json:
+        report.write_json(args.json, result)
 
 
 def run_line(result: dict, args) -> str:
@@ -390,9 +443,10 @@ def run_line(result: dict, args) -> str:
 def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
+    machine = cli.use_machine(args)
     if args.dry_run:
         world = args.world_size or cli.env_world_size() or 1
-        return dry_run(job_from_args(args, world), args)
+        return dry_run(job_from_args(args, world), args, machine)
     if args.world_size is not None:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"
@@ -407,4 +461,4 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     except cli.UsageError as e:
         job, error = None, str(e)
     mpi.agree(MPI.COMM_WORLD, error, parser.prog.removeprefix("python -m "))
-    return run(job, args, MPI)
+    return run(job, args, MPI, machine)

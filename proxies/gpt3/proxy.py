@@ -685,6 +685,8 @@ def make_job(args, world: int) -> runner.Job:
         grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
         fp32_buffers=frozenset({"ce"}),
+        # tensor-parallel shards and data-parallel replicas run the same plan op for op
+        fold=("tp", "dp"),
     )
     job.setup = S  # for the dry run
     return job
@@ -787,7 +789,7 @@ def plan_traffic(plan: Plan) -> dict[tuple[str, str], list[int]]:
     return dict(out)
 
 
-def dry_run(args, world: int) -> int:
+def dry_run(args, world: int, machine=None) -> int:
     from rich.markup import escape
     from rich.table import Table
 
@@ -874,6 +876,19 @@ def dry_run(args, world: int) -> int:
         f"calls matched, no deadlock. Predicted iteration with compute=model "
         f"(--device-tflops {args.device_tflops:g}) and free communication: {sim.time:.4g} s"
     )
+    predicted = {}
+    if machine is not None:
+        from proxies.core import prediction
+
+        try:
+            pred, note = prediction.run_prediction(job, args, machine)
+        except PlanError as e:
+            console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
+            return 1
+        result = prediction.as_result(pred, job, world)
+        console.print(note)
+        report.print_report(result, [], predicted=True)
+        predicted = prediction.json_fields(pred, result, note)
     if args.json:
         stage_of = [grid.coords(r)["pp"] for r in range(world)]
         by_stage = {s: p.bytes_by_category() for s, p in plans.items()}
@@ -888,12 +903,13 @@ def dry_run(args, world: int) -> int:
                 "grid": grid.describe(),
                 "params": S.cfg.num_params,
                 "simulated_ranks": len(sim_plans),
-                "predicted_iter_time_s": sim.time,
+                "free_comm_iter_time_s": sim.time,
                 "traffic": {
                     str(s): {f"{d}/{w}": v for (d, w), v in traffic[s].items()} for s in range(S.pp)
                 },
                 "bytes": {c: [by_stage[stage_of[r]].get(c, 0) for r in range(world)] for c in cats},
                 "comm_only_bytes_per_rank": max(pools),
+                **predicted,
             },
         )
     return 0
@@ -939,11 +955,12 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.dry_run:
+        machine = cli.use_machine(args)
         world = args.world_size or cli.env_world_size() or 1
         if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
             make_job(args, world)  # bad input still exits 2 everywhere
             return 0
-        return dry_run(args, world)
+        return dry_run(args, world, machine)
     return runner.main(make_job, p, argv)
 
 

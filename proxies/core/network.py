@@ -1,0 +1,225 @@
+"""The network of a machine model: links, paths, and max-min fair sharing of flows.
+
+Links (each one direction, each with a capacity in bytes/s):
+- every rank's port into the node's fabric, out and in (intra_node.bandwidth): shared by
+  that rank's flows to and from the other ranks of its node;
+- every node's network interface, out and in (inter_node.nic_bandwidth): shared by all the
+  node's flows to other nodes;
+- with a switch level, every leaf switch's uplink and downlink
+  (nodes_per_switch x nic_bandwidth / oversubscription): shared by the flows that leave or
+  enter the switch's nodes for nodes under another switch.
+A flow between two ranks of one node crosses the sender's port out and the receiver's port
+in; between nodes, the sender node's interface out, the uplinks/downlinks if the nodes sit
+under different switches, and the receiver node's interface in. One flow also never goes
+faster than its level's link bandwidth (a private cap), and costs the level's latency once.
+
+Flows share links max-min fairly (progressive filling, as flow-level network simulators
+do): the most contended link fixes the rate of its flows, its capacity is removed from
+their other links, and so on. A flow may stand for `weight` identical flows (the images of
+a rank that the simulation runs once, see predict.py): it takes `weight` shares of each
+shared link it crosses, each image getting the rate computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Link ids: small tuples, hashable and readable in a diagnosis.
+PORT_OUT, PORT_IN, NIC_OUT, NIC_IN, UP, DOWN = "port_out", "port_in", "nic_out", "nic_in", "up", "down"
+
+
+class Topology:
+    """Which links a flow between two world ranks crosses, and what they can carry."""
+
+    def __init__(self, machine, ranks_per_node: int | None = None) -> None:
+        self.machine = machine
+        self.rpn = ranks_per_node or machine.ranks_per_node
+        self.switch_nodes = machine.switch_nodes
+        self._cap = {
+            PORT_OUT: machine.intra.bandwidth,
+            PORT_IN: machine.intra.bandwidth,
+        }
+        if machine.inter is not None:
+            nic = machine.nic_bandwidth or machine.inter.bandwidth
+            self._cap[NIC_OUT] = self._cap[NIC_IN] = nic
+            if machine.switch_nodes:
+                uplink = machine.switch_nodes * nic / machine.oversubscription
+                self._cap[UP] = self._cap[DOWN] = uplink
+
+    def node(self, rank: int) -> int:
+        return rank // self.rpn
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.rpn == b // self.rpn
+
+    def capacity(self, link: tuple) -> float:
+        return self._cap[link[0]]
+
+    def alpha(self, a: int, b: int) -> float:
+        """Latency of one message from world rank a to b."""
+        if self.same_node(a, b):
+            return self.machine.intra.latency
+        return self._inter().latency
+
+    def cap(self, a: int, b: int) -> float:
+        """The most one flow from a to b can reach (its level's link bandwidth)."""
+        if self.same_node(a, b):
+            return self.machine.intra.bandwidth
+        return self._inter().bandwidth
+
+    def _inter(self):
+        if self.machine.inter is None:
+            raise ValueError(
+                f"machine {self.machine.name!r} has no inter_node level, but the run places "
+                f"ranks on more than one node ({self.rpn} ranks per node)"
+            )
+        return self.machine.inter
+
+    def links(self, a: int, b: int) -> tuple[tuple, ...]:
+        """The shared links a flow from rank a to rank b crosses."""
+        na, nb = a // self.rpn, b // self.rpn
+        if na == nb:
+            return ((PORT_OUT, a), (PORT_IN, b))
+        self._inter()
+        s = self.switch_nodes
+        if s and na // s != nb // s:
+            return ((NIC_OUT, na), (UP, na // s), (DOWN, nb // s), (NIC_IN, nb))
+        return ((NIC_OUT, na), (NIC_IN, nb))
+
+
+@dataclass(eq=False)
+class Flow:
+    """Bytes moving over links; `done(time)` is called when the last byte arrives."""
+
+    links: tuple[tuple, ...]
+    nbytes: float
+    cap: float  # bytes/s: the flow's own limit (its level's link)
+    done: Callable[[float], None]
+    weight: dict[tuple, float] = field(default_factory=dict)  # link -> images sharing it
+    remaining: float = 0.0  # bytes left at time `since`
+    since: float = 0.0
+    rate: float = 0.0
+    version: int = 0
+
+
+class Flows:
+    """Active flows, their fair-share rates, and when the next one finishes.
+
+    Rates change only when a flow starts or ends; only the flows connected to it through
+    shared links are recomputed (a ring's flows on disjoint links never are together).
+    """
+
+    def __init__(self, capacity: Callable[[tuple], float]) -> None:
+        self.capacity = capacity
+        self.on_link: dict[tuple, set[Flow]] = {}
+        self.now = 0.0
+        self.heap: list[tuple[float, int, int, Flow]] = []  # (finish, version, seq, flow)
+        self.seq = 0
+        self.count = 0  # flows ever started (statistics)
+        self.active: set[Flow] = set()
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def start(self, flow: Flow, t: float) -> None:
+        """Flow starts at t (t never goes back: the caller runs events in time order)."""
+        self.now = t
+        flow.remaining, flow.since = float(flow.nbytes), t
+        self.count += 1
+        self.active.add(flow)
+        for link in flow.links:
+            self.on_link.setdefault(link, set()).add(flow)
+        self._rebalance(flow.links)
+
+    def next_time(self) -> float:
+        while self.heap:
+            t, version, _, f = self.heap[0]
+            if f.version == version and f in self.active:
+                return t
+            heapq.heappop(self.heap)
+        return math.inf
+
+    def pop_done(self) -> None:
+        """Finish the flow at the top of the heap (call at next_time())."""
+        t, _, _, f = heapq.heappop(self.heap)
+        self.now = t
+        self.active.discard(f)
+        links = f.links
+        for link in links:
+            flows = self.on_link[link]
+            flows.discard(f)
+            if not flows:
+                del self.on_link[link]
+        self._rebalance(links)
+        f.done(t)
+
+    def _component(self, links) -> tuple[set[Flow], set[tuple]]:
+        """Flows and links reachable from `links` through shared flows."""
+        flows: set[Flow] = set()
+        seen = set()
+        todo = [lk for lk in links if lk in self.on_link]
+        while todo:
+            link = todo.pop()
+            if link in seen:
+                continue
+            seen.add(link)
+            for f in self.on_link[link]:
+                if f not in flows:
+                    flows.add(f)
+                    todo.extend(lk for lk in f.links if lk not in seen)
+        return flows, seen
+
+    def _rebalance(self, links) -> None:
+        flows, component = self._component(links)
+        if not flows:
+            return
+        rates = fair_share(flows, component, self.capacity, self.on_link)
+        now = self.now
+        for f in flows:
+            r = rates[f]
+            if r != f.rate or f.version == 0:
+                # progress is kept lazily: bytes left as of `since`, at the old rate
+                f.remaining -= f.rate * (now - f.since)
+                f.since = now
+                f.rate = r
+                f.version += 1
+                self.seq += 1
+                finish = now + (f.remaining / r if f.remaining > 0 else 0.0)
+                heapq.heappush(self.heap, (finish, f.version, self.seq, f))
+
+
+def fair_share(flows, links, capacity, on_link) -> dict[Flow, float]:
+    """Max-min fair rates by progressive filling; a flow of weight w on a link takes w
+    shares there (w identical flows), and never exceeds its own cap."""
+    left = {lk: capacity(lk) for lk in links}
+    users = {lk: {f for f in on_link[lk] if f in flows} for lk in links}
+    load = {lk: sum(f.weight.get(lk, 1.0) for f in users[lk]) for lk in links}
+    rates: dict[Flow, float] = {}
+    todo = set(flows)
+    while todo:
+        # the tightest constraint: a link's equal share, or a flow's own cap
+        best, link = math.inf, None
+        for lk, n in load.items():
+            if n > 0:
+                share = left[lk] / n
+                if share < best:
+                    best, link = share, lk
+        capped = [f for f in todo if f.cap <= best]
+        if capped:
+            fixed, rate_of = capped, {f: f.cap for f in capped}
+        else:
+            fixed = [f for f in users[link] if f in todo]
+            rate_of = dict.fromkeys(fixed, max(best, 0.0))
+        for f in fixed:
+            r = rate_of[f]
+            rates[f] = r
+            todo.discard(f)
+            for lk in f.links:
+                w = f.weight.get(lk, 1.0)
+                left[lk] = max(0.0, left[lk] - w * r)
+                load[lk] -= w
+                users[lk].discard(f)
+    return rates

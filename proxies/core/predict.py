@@ -1,0 +1,558 @@
+"""Predict an iteration: every rank's plan run on a machine model, in simulated time.
+
+The same plans the engine executes and simulate.py validates are run here as a
+discrete-event simulation in global time order:
+- a Compute takes what `compute(rank, op)` says (FLOPs at a rate, a replayed time, 0);
+- a point-to-point message starts when both sides have posted it (rendezvous), costs its
+  level's latency, then moves its bytes as a flow that shares links with every other flow
+  in flight (network.py: max-min fair share, a node's interface shared by its flows);
+- a collective runs the steps of the algorithm that executes it (proxies.collectives: the
+  same description the executor reads), either message by message ("steps": each member
+  starts its own steps when it posts, every message a flow) or phase by phase ("coarse":
+  once every member has posted, each phase's aggregated flows share the links, plus the
+  phase's latency and reduction time along its critical path). Steps is exact to the
+  algorithm; coarse is what scales (a ring's 2(n-1) steps become one flow per edge), and
+  the two agree where both run (tested).
+
+Identical ranks once ("folding"): ranks whose coordinates differ only in dimensions whose
+members run the same plan op for op (data-parallel replicas; tensor-parallel shards) are
+images of one representative, the rank with those coordinates 0. Only representatives are
+simulated. A collective over a group that reaches outside them runs coarse with all its
+members' flows on their real links; a flow crossing a node's interface counts once per image
+group on that node (eight tensor-parallel ranks each running their own data-parallel ring
+through one interface: weight 8). The images run the same ops at the same times, so the
+answer is the full simulation's; tests compare the two on worlds small enough for both.
+
+Breakdown per rank, adding up to the iteration (the slowest rank's finish), as the engine
+books a measured run: compute; a P2P batch's time before its last partner posted is idle,
+the rest its category; a blocking collective's category is the shortest time any member
+spent in it (the last to arrive waits least), the rest of each member's time idle; a
+non-blocking collective's exposed time is its Wait, and the time it ran under other work is
+<category>_hidden (not part of the sum); after its last op a rank is idle until the end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxies.core.network import Flow, Flows, Topology
+from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan, Wait, itemsize
+from proxies.core.report import HIDDEN
+from proxies.core.simulate import PlanError
+
+DETAILS = ("auto", "steps", "coarse")
+STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages stay below this
+
+# What MPICH runs when the machine file does not say (its default selection, MPICH 4):
+# recursive doubling for short allreduces, Rabenseifner's reduce-scatter + allgather above;
+# allgather by recursive doubling up to 80 KiB in all, ring above; reduce-scatter by
+# recursive halving (commutative sums); all-to-all pairwise; binomial broadcast and reduce.
+MPICH_DEFAULTS: dict[str, list[tuple[int, str]]] = {
+    "allreduce": [(2048, "rd"), (1 << 63, "rhd")],
+    "allgather": [(80 << 10, "rd"), (1 << 63, "ring")],
+    "reduce_scatter": [(1 << 63, "rh")],
+    "alltoall": [(1 << 63, "pairwise")],
+    "alltoallv": [(1 << 63, "pairwise")],
+    "bcast": [(1 << 63, "binomial")],
+    "reduce": [(1 << 63, "binomial")],
+}
+
+
+def mpi_algorithm(machine, kind: str, nbytes: int) -> str:
+    """The algorithm the MPI library runs for a collective of nbytes (the machine file's
+    `mpi:` table where it has the kind, else MPICH's defaults)."""
+    table = (machine.mpi or {}).get(kind) or MPICH_DEFAULTS[kind]
+    for upto, alg in table:
+        if nbytes <= upto:
+            return alg
+    return table[-1][1]
+
+
+def chooser(machine, allreduce: str = "mpi") -> Callable[[str, int], str]:
+    """(kind, nbytes) -> algorithm, as the engine runs it: --allreduce for allreduces (ours
+    over point-to-point), MPI's own for everything else."""
+
+    def pick(kind: str, nbytes: int) -> str:
+        if kind == "allreduce" and allreduce != "mpi":
+            return allreduce
+        return mpi_algorithm(machine, kind, nbytes)
+
+    return pick
+
+
+@dataclass
+class Prediction:
+    time: float  # the iteration: when the last simulated rank finishes
+    finish: dict[int, float]  # per simulated rank
+    breakdown: dict[int, dict[str, float]]  # per simulated rank: category -> seconds
+    rep_of: np.ndarray | None  # world rank -> simulated rank it is an image of (folded)
+    detail: str  # "steps" or "coarse" (how collectives ran)
+    flows: int  # flows simulated
+    spans: dict[int, list[tuple[float, float, Op]]] = field(default_factory=dict)
+
+    def of(self, rank: int) -> dict[str, float]:
+        """Breakdown of any world rank (its representative's when folded)."""
+        r = int(self.rep_of[rank]) if self.rep_of is not None else rank
+        return self.breakdown[r]
+
+
+# --- folding ------------------------------------------------------------------------------
+
+
+def representatives(grid, fold: Sequence[str]) -> np.ndarray:
+    """world rank -> the rank with the same coordinates except `fold` dimensions at 0."""
+    dims = [d for d, _ in grid.degrees]
+    ranks = grid._ranks
+    index = tuple(
+        slice(0, 1) if d in fold else slice(None) for d in dims
+    )  # folded axes at coordinate 0, broadcast back over them
+    reps = np.broadcast_to(ranks[index], ranks.shape)
+    out = np.empty(grid.size, dtype=np.int64)
+    out[ranks.reshape(-1)] = reps.reshape(-1)
+    return out
+
+
+# --- the simulation -----------------------------------------------------------------------
+
+
+class _Msg:
+    __slots__ = ("src", "dst", "nbytes", "members", "matched", "on_done")
+
+    def __init__(self, src: int, dst: int, nbytes: int, members) -> None:
+        self.src, self.dst, self.nbytes, self.members = src, dst, nbytes, members
+        self.matched = 0.0
+        self.on_done: list[Callable[[float, _Msg], None]] = []
+
+
+
+
+class _Instance:
+    """The n-th collective on one group: who posted when, who finished when."""
+
+    __slots__ = ("key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then")
+
+    def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
+        self.key, self.members, self.op, self.alg = key, members, op, alg
+        self.expected, self.folded = expected, folded
+        self.posts: dict[int, float] = {}  # simulated member -> post time
+        self.ends: dict[int, float] = {}  # simulated member -> its end
+        self.then: dict[int, Callable[[float], None]] = {}  # member -> what its end does
+
+    @property
+    def core(self) -> float:
+        """The collective itself: the shortest time a member spent in it."""
+        return min(self.ends[q] - self.posts[q] for q in self.ends)
+
+
+class _Predictor:
+    def __init__(
+        self,
+        plans: Sequence[Plan],
+        topo: Topology,
+        compute: Callable[[int, Compute], float],
+        algorithm: Callable[[str, int], str],
+        detail: str,
+        rep_of: np.ndarray | None,
+        keep_spans: bool,
+    ) -> None:
+        self.plans = {p.rank: p for p in plans}
+        if len(self.plans) != len(plans):
+            raise PlanError("more than one plan for a rank")
+        self.topo, self.compute, self.algorithm = topo, compute, algorithm
+        self.rep_of, self.keep_spans = rep_of, keep_spans
+        self.reduce_bw = topo.machine.reduce_bandwidth
+        self.flows = Flows(topo.capacity)
+        self.events: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.pc = dict.fromkeys(self.plans, 0)
+        self.book: dict[int, dict[str, float]] = {r: defaultdict(float) for r in self.plans}
+        self.spans: dict[int, list] = {r: [] for r in self.plans}
+        self.finish: dict[int, float] = {}
+        self.channels: dict[tuple, tuple[deque, deque]] = {}
+        self.ncoll: dict[int, dict[str, int]] = {r: defaultdict(int) for r in self.plans}
+        self.instances: dict[tuple, _Instance] = {}
+        self.blocking: list[tuple[int, _Instance]] = []  # booked after the run
+        self.reqs: dict[int, dict[str, list]] = {r: {} for r in self.plans}
+        self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
+        self._images: dict[tuple, int] = {}
+        self._shapes: dict[tuple, object] = {}
+        self._resumes: dict[tuple, dict] = {}  # (instance, rank) -> where its steps wait
+        self.detail = self._detail(detail)
+
+    # --- scheduling ---------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, fn))
+
+    def run(self) -> None:
+        for r in self.plans:
+            self.at(0.0, lambda r=r: self._advance(r))
+        events, flows = self.events, self.flows
+        while True:
+            te = events[0][0] if events else math.inf
+            tf = flows.next_time()
+            if tf == te == math.inf:
+                break
+            if tf <= te:
+                self.now = tf
+                flows.pop_done()
+            else:
+                t, _, fn = heapq.heappop(events)
+                self.now = t
+                fn()
+        stuck = [r for r in self.plans if r not in self.finish]
+        if stuck:
+            r = stuck[0]
+            raise PlanError(
+                f"prediction stopped: {len(stuck)} rank(s) cannot progress, e.g. rank {r} at "
+                f"op {self.pc[r]} ({_name(self.plans[r].ops[self.pc[r]])}); the dry run "
+                f"without --machine names the cause"
+            )
+        for r, inst in self.blocking:
+            core = inst.core
+            self.book[r][inst.op.category] += core
+            self.book[r]["idle"] += inst.ends[r] - inst.posts[r] - core
+
+    def _detail(self, detail: str) -> str:
+        if detail != "auto":
+            return detail
+        messages = 0
+        for p in self.plans.values():
+            for op in p.ops:
+                if isinstance(op, Collective):  # a ring's 2(n-1) sends per member, at most
+                    messages += 2 * (len(p.groups[op.group]) - 1)
+                    if messages > STEP_MESSAGES:
+                        return "coarse"
+        return "steps"
+
+    # --- ranks --------------------------------------------------------------------------
+
+    def _advance(self, r: int) -> None:
+        """Run rank r from its current op at self.now until it blocks or finishes."""
+        ops, pc, t = self.plans[r].ops, self.pc[r], self.now
+        book, spans = self.book[r], self.spans[r]
+        while pc < len(ops):
+            op = ops[pc]
+            if type(op) is Compute:
+                d = self.compute(r, op)
+                book[op.category] += d
+                if self.keep_spans:
+                    spans.append((t, t + d, op))
+                t += d
+                pc += 1
+                continue
+            self.pc[r] = pc
+            if t > self.now:  # everything else happens in global time order
+                self.at(t, lambda: self._advance(r))
+                return
+            if type(op) is P2P:
+                self._p2p(r, op, t)
+                return
+            if type(op) is Collective:
+                if not op.req:
+                    self._join(r, op, t, lambda end: self._resume(r, end))
+                    return
+                if op.req in self.reqs[r]:
+                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
+                entry = self.reqs[r][op.req] = [op, t, None, None]  # op, posted, end, wait began
+                self._join(r, op, t, lambda end, req=op.req: self._req_done(r, req, end))
+                pc += 1
+                continue
+            if type(op) is Wait:
+                entry = self.reqs[r].get(op.req)
+                if entry is None:
+                    raise PlanError(f"rank {r} op {pc}: Wait({op.req!r}) has no op in flight")
+                entry[3] = t
+                if entry[2] is None:
+                    self.waiting[r] = op.req
+                    return
+                self._waited(r, op.req, t)
+                pc += 1
+                continue
+            raise PlanError(f"rank {r} op {pc}: unknown op {op!r}")
+        self.pc[r] = pc
+        self.finish[r] = t
+
+    def _resume(self, r: int, t: float) -> None:
+        self.pc[r] += 1
+        self.at(t, lambda: self._advance(r))
+
+    def _req_done(self, r: int, req: str, end: float) -> None:
+        self.reqs[r][req][2] = end
+        if self.waiting.get(r) == req:
+            del self.waiting[r]
+            self._waited(r, req, end)
+            self._resume(r, end)
+
+    def _waited(self, r: int, req: str, now: float) -> None:
+        op, posted, end, began = self.reqs[r].pop(req)
+        book = self.book[r]
+        book[op.category] += now - began  # exposed: blocked in the wait
+        book[op.category + HIDDEN] += max(0.0, min(end, began) - posted)
+        if self.keep_spans:
+            self.spans[r].append((posted, end, op))
+
+    # --- point-to-point -----------------------------------------------------------------
+
+    def _p2p(self, r: int, op: P2P, t: float) -> None:
+        left = len(op.sends) + len(op.recvs)
+        if left == 0:
+            self._resume(r, t)
+            return
+        state = [left, t]  # messages left, when the last was matched
+
+        def one_done(end: float, m: _Msg) -> None:
+            state[0] -= 1
+            state[1] = max(state[1], m.matched)
+            if state[0] == 0:
+                book = self.book[r]
+                book["idle"] += state[1] - t  # waiting for the peer to post
+                book[op.category] += end - state[1]
+                if self.keep_spans:
+                    self.spans[r].append((t, end, op))
+                self._resume(r, end)
+
+        for m in op.sends:
+            self._post(("p", m.tag), r, m.peer, m.nbytes, True, t, one_done, None)
+        for m in op.recvs:
+            self._post(("p", m.tag), m.peer, r, m.nbytes, False, t, one_done, None)
+
+    def _post(self, tag, src: int, dst: int, nbytes: int, sending: bool, t: float, done, members):
+        """Post one side of a message on channel (tag, src, dst); k-th send meets k-th recv."""
+        other = dst if sending else src
+        if other not in self.plans:
+            raise PlanError(
+                f"rank {src if sending else dst} exchanges a message with rank {other}, "
+                f"which is not simulated"
+            )
+        key = (tag, src, dst)
+        queues = self.channels.get(key)
+        if queues is None:
+            queues = self.channels[key] = (deque(), deque())
+        mine, theirs = (queues[0], queues[1]) if sending else (queues[1], queues[0])
+        if theirs:
+            msg = theirs.popleft()
+            if msg.nbytes != nbytes:
+                raise PlanError(
+                    f"message mismatch rank {src} -> rank {dst} ({tag}): one side has "
+                    f"{msg.nbytes} bytes, the other {nbytes}"
+                )
+            msg.on_done.append(done)
+            msg.matched = t
+            self._transfer(msg, t)
+        else:
+            msg = _Msg(src, dst, nbytes, members)
+            msg.on_done.append(done)
+            mine.append(msg)
+
+    def _transfer(self, msg: _Msg, t: float) -> None:
+        """A matched message: its level's latency, then its bytes as a flow."""
+        topo = self.topo
+        start = t + topo.alpha(msg.src, msg.dst)
+
+        def finished(end: float) -> None:
+            for cb in msg.on_done:
+                cb(end, msg)
+
+        if msg.nbytes == 0:
+            self.at(start, lambda: finished(start))
+            return
+        flow = Flow(
+            topo.links(msg.src, msg.dst),
+            msg.nbytes,
+            topo.cap(msg.src, msg.dst),
+            finished,
+            self._weights(msg.src, msg.dst, msg.members),
+        )
+        self.at(start, lambda: self.flows.start(flow, start))
+
+    # --- folding weights ----------------------------------------------------------------
+
+    def _weights(self, a: int, b: int, members) -> dict:
+        """Images sharing each network link of a flow a -> b (none unfolded, none within a
+        node: every rank has its own port)."""
+        if self.rep_of is None or self.topo.same_node(a, b):
+            return {}
+        links = self.topo.links(a, b)
+        w = self._images_on(a, 1, members)
+        out = dict.fromkeys(links, w)
+        if len(links) == 4:  # up and down through the switches
+            out[links[1]] = out[links[2]] = self._images_on(a, self.topo.switch_nodes, members)
+        return out
+
+    def _images_on(self, a: int, nodes: int, members) -> float:
+        """Copies of rank a's flow that cross the same interface (or uplink, nodes > 1):
+        ranks on a's node (switch) that are images of a's representative, over the
+        members of a's own group there (who are not copies but partners)."""
+        span = self.topo.rpn * nodes
+        lo = (a // span) * span
+        key = (a, span)
+        images = self._images.get(key)
+        if images is None:
+            rep = self.rep_of
+            images = self._images[key] = int(np.count_nonzero(rep[lo : lo + span] == rep[a]))
+        own = 1 if members is None else sum(1 for q in members if lo <= q < lo + span)
+        return images / max(own, 1)
+
+    # --- collectives --------------------------------------------------------------------
+
+    def _join(self, r: int, op: Collective, t: float, then: Callable[[float], None]) -> None:
+        members = self.plans[r].groups[op.group]
+        n = self.ncoll[r][op.group]
+        self.ncoll[r][op.group] = n + 1
+        key = (op.group, members, n)
+        inst = self.instances.get(key)
+        if inst is None:
+            inside = sum(1 for q in members if q in self.plans)
+            alg = self.algorithm(op.kind, op.nbytes)
+            inst = self.instances[key] = _Instance(
+                key, members, op, alg, inside, inside < len(members)
+            )
+        elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
+            raise PlanError(
+                f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "
+                f"{inst.op.count} {inst.op.dtype} vs rank {r}'s {op.kind} of {op.count} {op.dtype}"
+            )
+        inst.posts[r] = t
+        inst.then[r] = then
+        if not op.req:
+            self.blocking.append((r, inst))
+        if self.detail == "steps" and not inst.folded:
+            self._steps(inst, r, members.index(r), 0, t, set(), None)
+        elif len(inst.posts) == inst.expected:
+            self._phase(inst, 0, t)
+
+    def _member_done(self, inst: _Instance, r: int, end: float) -> None:
+        inst.ends[r] = end
+        inst.then.pop(r)(end)
+
+    def _nodes(self, members) -> tuple[int, ...]:
+        return tuple(self.topo.node(q) for q in members)
+
+    def _shape(self, what: str, inst: _Instance):
+        """The algorithm's trace (steps) or phases (coarse) for this instance, cached."""
+        from proxies.collectives import steps
+
+        op, members = inst.op, inst.members
+        key = (what, op.kind, inst.alg, members, op.count, itemsize(op.dtype))
+        shape = self._shapes.get(key)
+        if shape is None:
+            n, isz, nodes = len(members), itemsize(op.dtype), self._nodes(members)
+            kind = "alltoall" if op.kind == "alltoallv" else op.kind
+            if what == "trace":
+                shape = steps.trace(kind, inst.alg, n, op.count, isz, nodes)
+            else:
+                alpha = self.topo.alpha
+                shape = steps.coarse(
+                    kind, inst.alg, n, op.count, isz, lambda i, j: alpha(members[i], members[j]),
+                    nodes,
+                )
+            self._shapes[key] = shape
+        return shape
+
+    def _steps(self, inst: _Instance, r: int, i: int, pos: int, t: float, done: set, wanted):
+        """Member i (world rank r) runs its steps of the algorithm from `pos` at time t."""
+        program = self._shape("trace", inst)[i]
+        members, isz = inst.members, itemsize(inst.op.dtype)
+        tag = ("c", inst.key)
+        resume = self._resumes.setdefault((inst.key, r), {})
+        while pos < len(program):
+            ev = program[pos]
+            what = ev[0]
+            if what == "send" or what == "recv":
+                h, peer, elements = ev[1], members[ev[2]], ev[3]
+
+                def arrived(end, msg, h=h):
+                    done.add(h)
+                    state = resume.get("wait")
+                    if state is not None and state <= done:
+                        del resume["wait"]
+                        self._steps(inst, r, i, resume.pop("pos"), end, done, None)
+
+                src, dst = (r, peer) if what == "send" else (peer, r)
+                self._post(tag, src, dst, elements * isz, what == "send", t, arrived, members)
+                pos += 1
+            elif what == "wait":
+                need = set(ev[1])
+                if not need <= done:
+                    resume["wait"], resume["pos"] = need, pos + 1
+                    return
+                pos += 1
+            elif what == "reduce":
+                d = ev[1] * isz / self.reduce_bw
+                pos += 1
+                if d > 0:
+                    self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done, None))
+                    return
+            else:
+                raise PlanError(f"unknown step {ev!r} in {inst.alg} {inst.op.kind}")
+        self._resumes.pop((inst.key, r), None)
+        self._member_done(inst, r, t)
+
+    def _phase(self, inst: _Instance, k: int, t: float) -> None:
+        """Phase k of a coarse collective starts at t (every member has posted)."""
+        phases = self._shape("coarse", inst)
+        if k == len(phases):
+            for q in list(inst.then):
+                self._member_done(inst, q, t)
+            return
+        ph, members, topo = phases[k], inst.members, self.topo
+        tail = ph.latency + ph.reduce_bytes / self.reduce_bw
+        flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
+        if not flows:
+            self.at(t + tail, lambda: self._phase(inst, k + 1, t + tail))
+            return
+        left = [len(flows)]
+
+        def one_done(end: float) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.at(end + tail, lambda: self._phase(inst, k + 1, end + tail))
+
+        for a, b, nbytes in flows:
+            flow = Flow(
+                topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members)
+            )
+            self.flows.start(flow, t)
+
+
+def _name(op: Op) -> str:
+    if isinstance(op, (Compute, P2P)):
+        return op.name
+    if isinstance(op, Collective):
+        return f"{op.kind} on {op.group}"
+    return f"wait {op.req}"
+
+
+def predict(
+    plans: Sequence[Plan],
+    topo: Topology,
+    compute: Callable[[int, Compute], float],
+    algorithm: Callable[[str, int], str],
+    *,
+    detail: str = "auto",
+    rep_of: np.ndarray | None = None,
+    keep_spans: bool = False,
+) -> Prediction:
+    """Run the plans on the topology's machine. `plans` are every rank's, or with `rep_of`
+    (world rank -> representative) the representatives' only. Raises PlanError when the
+    plans cannot run (simulate.py gives the full diagnosis)."""
+    sim = _Predictor(plans, topo, compute, algorithm, detail, rep_of, keep_spans)
+    sim.run()
+    time = max(sim.finish.values(), default=0.0)
+    breakdown = {}
+    for r, book in sim.book.items():
+        book = dict(book)
+        book["idle"] = book.get("idle", 0.0) + time - sim.finish[r]
+        breakdown[r] = book
+    return Prediction(
+        time, dict(sim.finish), breakdown, rep_of, sim.detail, sim.flows.count, sim.spans
+    )

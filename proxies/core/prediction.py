@@ -1,0 +1,241 @@
+"""--machine: a job's iteration predicted on a machine model, printed and stored beside (or
+instead of) the measurement. The simulation itself is predict.py; this is the glue every
+proxy shares: what a compute op costs in each mode, which ranks are simulated, the tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import numpy as np
+
+from proxies.core import cli, report
+from proxies.core.network import Topology
+from proxies.core.plan import Collective, Compute, Plan, Wait
+from proxies.core.predict import Prediction, chooser, predict, representatives
+from proxies.core.simulate import PlanError
+
+SIMULATE_OPS = 400_000  # fold identical ranks when every rank's ops would exceed this
+DEFAULT_DEVICE_FLOPS = 150e12  # --device-tflops' default
+
+
+def compute_cost(
+    args, machine, replay: dict | None = None
+) -> tuple[Callable[[int, Compute], float], str]:
+    """(rank, op) -> predicted seconds of a Compute op in args.compute's mode, and a phrase
+    saying how. model: the run's --device-tflops if given, else the machine's device rate;
+    replay on a real run: the replayed times; real (and replay in a dry run): FLOPs at the
+    machine's matmul rate, slowed by ranks per node over cores where they share cores."""
+    mode = args.compute
+    if mode == "none":
+        return (lambda r, op: 0.0), "no compute (--compute none)"
+    if mode == "model":
+        rate = args.device_tflops * 1e12  # the machine's device rate unless given (cli)
+        return (
+            lambda r, op: op.model_seconds(rate)
+        ), f"compute modelled at {rate / 1e12:g} TFLOP/s (or the proxy's known per-op times)"
+    if mode == "replay" and replay:
+        return (
+            lambda r, op: replay[r].get((op.name, op.chunk), 0.0)
+        ), "compute as replayed (measured per op)"
+    rate = machine.matmul_flops or machine.device_flops
+    if not rate:
+        raise cli.UsageError(
+            f"{machine.source or machine.name}: compute.matmul (or compute.device) is needed "
+            f"to predict --compute {mode}; give it, or predict --compute model or none"
+        )
+    share = max(1.0, machine_rpn(args, machine) / machine.cores_per_node)
+    how = f"compute as FLOPs at {rate / 1e9:g} GFLOP/s per rank"
+    if share > 1:
+        how += f", {share:g}x slower: {machine_rpn(args, machine)} ranks share {machine.cores_per_node} cores"
+    return (lambda r, op: op.flops / rate * share), how
+
+
+def machine_rpn(args, machine) -> int:
+    return getattr(args, "ranks_per_node", None) or machine.ranks_per_node
+
+
+def fold_dims(job, world: int, ops_per_rank: int, fold: str = "auto") -> tuple[str, ...]:
+    """The grid dimensions folded (simulated once): the job's, when every rank would be
+    too many ops to simulate one by one (or always/never, for tests)."""
+    if fold == "never" or not job.fold:
+        return ()
+    if fold == "always" or world * ops_per_rank > SIMULATE_OPS:
+        return tuple(d for d in job.fold if job.grid.degree(d) > 1)
+    return ()
+
+
+def run_prediction(
+    job,
+    args,
+    machine,
+    *,
+    replay: dict | None = None,
+    fold: str = "auto",
+    detail: str | None = None,
+    keep_spans: bool = False,
+) -> tuple[Prediction, str]:
+    """Predict one iteration of the job; returns the prediction and a line saying what was
+    simulated and how."""
+    world = job.grid.size
+    first = job.plan(0)
+    dims = fold_dims(job, world, len(first.ops), fold)
+    rpn = machine_rpn(args, machine)
+    topo = Topology(machine, rpn)
+    if world > rpn and machine.inter is None:
+        raise cli.UsageError(
+            f"{machine.source or machine.name}: {world} ranks at {rpn} per node need "
+            f"{-(-world // rpn)} nodes, but the machine has no inter_node level (a one-node "
+            f"calibration); give --ranks-per-node {world} or a multi-node machine file"
+        )
+    if dims:
+        rep_of = representatives(job.grid, dims)
+        ranks = sorted(set(rep_of.tolist()))
+    else:
+        rep_of, ranks = None, list(range(world))
+    plans = [first if r == 0 else job.plan(r) for r in ranks]
+    cost, how = compute_cost(args, machine, replay)
+    algorithm = chooser(machine, args.allreduce)
+    try:
+        pred = predict(
+            plans,
+            topo,
+            cost,
+            algorithm,
+            detail=detail or getattr(args, "predict", "auto") or "auto",
+            rep_of=rep_of,
+            keep_spans=keep_spans,
+        )
+    except ValueError as e:  # a topology the machine cannot hold
+        raise cli.UsageError(str(e)) from None
+    nodes = -(-world // rpn)
+    what = (
+        f"all {world} ranks"
+        if rep_of is None
+        else f"{len(ranks)} of {world} ranks (identical ranks once: ranks differing only in "
+        f"{'/'.join(dims)} are images of the one with those coordinates 0)"
+    )
+    note = (
+        f"predicted on {machine.name} ({rpn} ranks per node, {nodes} node{'s' * (nodes > 1)}): "
+        f"simulated {what}, collectives {pred.detail}, {pred.flows:,} flows; {how}; "
+        f"allreduce {args.allreduce}"
+    )
+    return pred, note
+
+
+def as_result(pred: Prediction, job, world: int) -> dict:
+    """The prediction in the shape of a measured result (one iteration), for the tables."""
+    reps = sorted(pred.breakdown)
+    labels = {r: job.label(r) for r in reps}
+    cats = report.ordered({c for b in pred.breakdown.values() for c in b})
+    rep_of = pred.rep_of if pred.rep_of is not None else np.arange(world)
+    per_rank = {
+        c: [pred.breakdown[int(rep_of[r])].get(c, 0.0) for r in range(world)] for c in cats
+    }
+    plans_bytes = {r: job.plan(r).bytes_by_category() for r in reps}
+    byte_cats = sorted({c for b in plans_bytes.values() for c in b})
+    return {
+        "iter_time_s": [pred.time],
+        "breakdown_s": {c: [statistics.fmean(v)] for c, v in per_rank.items()},
+        "breakdown_per_rank_s": per_rank,
+        "bytes": {
+            c: [plans_bytes[int(rep_of[r])].get(c, 0) for r in range(world)] for c in byte_cats
+        },
+        "rank_labels": [labels[int(rep_of[r])] for r in range(world)],
+    }
+
+
+def json_fields(pred: Prediction, result: dict, note: str) -> dict:
+    return {
+        "predicted_iter_time_s": pred.time,
+        "predicted_breakdown_s": {c: v[0] for c, v in result["breakdown_s"].items()},
+        "predicted_breakdown_max_s": {
+            c: max(v) for c, v in result["breakdown_per_rank_s"].items()
+        },
+        "prediction": note,
+    }
+
+
+def print_comparison(measured: dict, predicted: dict, console) -> None:
+    """Measured beside predicted per category (means over ranks), with the relative error."""
+    from rich.table import Table
+
+    t = Table(title="measured vs predicted, per iteration", title_justify="left")
+    for col in ("category", "measured", "predicted", "error"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+
+    def row(name: str, m: float | None, p: float | None) -> None:
+        err = f"{100 * (p - m) / m:+.1f}%" if m and p is not None else "-"
+        t.add_row(
+            name,
+            f"{m:.4f} s" if m is not None else "-",
+            f"{p:.4f} s" if p is not None else "-",
+            err,
+        )
+
+    m_iter = statistics.fmean(measured["iter_time_s"])
+    row("iteration", m_iter, predicted["iter_time_s"][0])
+    cats = report.ordered(set(measured["breakdown_s"]) | set(predicted["breakdown_s"]))
+    for c in cats:
+        mv = measured["breakdown_s"].get(c)
+        pv = predicted["breakdown_s"].get(c)
+        row(
+            report.label(c),
+            statistics.fmean(mv) if mv else None,
+            pv[0] if pv else None,
+        )
+    console.print(t)
+
+
+def collective_seconds(
+    machine,
+    kind: str,
+    alg: str,
+    n: int,
+    count: int,
+    dtype: str = "float32",
+    ranks_per_node: int | None = None,
+    detail: str = "auto",
+) -> float:
+    """Predicted seconds of one collective over ranks 0..n-1 (the collectives benchmark's
+    "is my number normal?"): `alg` as --allreduce names it ("mpi": what the machine file
+    says the library runs)."""
+    group = tuple(range(n))
+    op = Collective(kind, "world", "x", count, dtype)
+    plans = [Plan(r, (op,), {"world": group}) for r in group]
+    topo = Topology(machine, ranks_per_node)
+    pred = predict(plans, topo, lambda r, o: 0.0, chooser(machine, alg), detail=detail)
+    return pred.time
+
+
+def validation_plans(job, world: int, plans_of: Callable[[int], Plan], dims) -> list[Plan]:
+    """Plans for the free-communication validation of a folded world: the representatives,
+    without the collectives of groups reaching outside them (their members run the same
+    plan op for op, so they can neither deadlock nor mismatch)."""
+    rep_of = representatives(job.grid, dims)
+    ranks = sorted(set(rep_of.tolist()))
+    inside, out = set(ranks), []
+    for r in ranks:
+        p = plans_of(r)
+        keep = {n for n, members in p.groups.items() if inside.issuperset(members)}
+        group_of = {o.req: o.group for o in p.ops if isinstance(o, Collective) and o.req}
+        ops = tuple(
+            o
+            for o in p.ops
+            if not (isinstance(o, Collective) and o.group not in keep)
+            and not (isinstance(o, Wait) and group_of[o.req] not in keep)
+        )
+        out.append(Plan(r, ops, {n: p.groups[n] for n in keep}, p.coords))
+    return out
+
+
+__all__ = [
+    "PlanError",
+    "as_result",
+    "compute_cost",
+    "json_fields",
+    "print_comparison",
+    "run_prediction",
+    "validation_plans",
+]

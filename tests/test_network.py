@@ -1,0 +1,125 @@
+"""The network model: paths, max-min fair sharing, flows in time (pure, no MPI)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proxies.core.machine import Level, Machine
+from proxies.core.network import Flow, Flows, Topology, fair_share
+from proxies.core.plan import P2P, Compute, Msg, Plan
+from proxies.core.predict import predict
+
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
+
+
+def machine(rpn=1, nic=10 * GBIT, link=10 * GBIT, intra=10e9, lat=0.0, switch=None, over=1.0):
+    return Machine(
+        name="test",
+        source="",
+        ranks_per_node=rpn,
+        cores_per_node=64,
+        intra=Level(latency=lat, bandwidth=intra),
+        inter=Level(latency=lat, bandwidth=link),
+        nic_bandwidth=nic,
+        switch_nodes=switch,
+        oversubscription=over,
+        matmul_flops=None,
+        memory_bandwidth=None,
+        device_flops=None,
+        reduce_bandwidth=1e12,
+        mpi={},
+        unmeasured=(),
+        calibration={},
+    )
+
+
+def test_paths_by_level():
+    topo = Topology(machine(rpn=4, switch=2))
+    assert topo.links(0, 3) == (("port_out", 0), ("port_in", 3))
+    assert topo.links(0, 4) == (("nic_out", 0), ("nic_in", 1))  # same leaf switch
+    assert topo.links(0, 8) == (("nic_out", 0), ("up", 0), ("down", 1), ("nic_in", 2))
+    assert topo.capacity(("up", 0)) == 2 * 10 * GBIT
+
+
+def _flow(links, cap=math.inf, weight=None):
+    return Flow(tuple(links), 1.0, cap, lambda t: None, weight or {})
+
+
+def test_max_min_fair_share():
+    # a: links 1+2, b: link 1, c: link 2 (capacity 1 each): everyone gets 1/2
+    a, b, c = _flow("12"), _flow("1"), _flow("2")
+    on = {"1": {a, b}, "2": {a, c}}
+    rates = fair_share({a, b, c}, {"1", "2"}, lambda lk: 1.0, on)
+    assert rates == {a: 0.5, b: 0.5, c: 0.5}
+    # link 2 twice as big: a still bottlenecked at 1/2 on link 1, c takes the rest of 2
+    rates = fair_share({a, b, c}, {"1", "2"}, lambda lk: {"1": 1.0, "2": 2.0}[lk], on)
+    assert rates[a] == rates[b] == 0.5 and rates[c] == 1.5
+    # a flow capped below its share leaves the rest to the others
+    a = _flow("1", cap=0.2)
+    rates = fair_share({a, b}, {"1"}, lambda lk: 1.0, {"1": {a, b}})
+    assert rates[a] == 0.2 and rates[b] == pytest.approx(0.8)
+    # a flow standing for 3 images takes 3 shares
+    a = _flow("1", weight={"1": 3.0})
+    rates = fair_share({a, b}, {"1"}, lambda lk: 1.0, {"1": {a, b}})
+    assert rates[a] == rates[b] == 0.25
+
+
+def test_flows_finish_in_time_order():
+    ends = {}
+    flows = Flows(lambda lk: 1.0)
+    for name, nbytes, start in (("long", 3.0, 0.0), ("short", 1.0, 0.0)):
+        f = Flow((("L",),), nbytes, math.inf, lambda t, n=name: ends.setdefault(n, t))
+        flows.start(f, start)
+    while flows.next_time() < math.inf:
+        flows.pop_done()
+    # both at 1/2 until short ends at 2 (1 byte), then long alone: 3 - 1 = 2 left at 1/s
+    assert ends == {"short": 2.0, "long": 4.0}
+
+
+def _gather(senders: int, nbytes: int) -> list[Plan]:
+    """Rank 0 receives nbytes from each other rank in one batch (all at once)."""
+    count = nbytes // 4
+    recvs = tuple(Msg(q, 0, "x", 0, count) for q in range(1, senders + 1))
+    plans = [Plan(0, (P2P("gather", recvs=recvs),))]
+    for q in range(1, senders + 1):
+        plans.append(Plan(q, (P2P("send", sends=(Msg(0, 0, "x", 0, count),)),)))
+    return plans
+
+
+def _predict(plans, m):
+    return predict(plans, Topology(m), lambda r, op: op.seconds, lambda k, n: "ring")
+
+
+def test_incast_shares_the_receivers_interface():
+    """4 nodes each send 1 Gb into one node's 10 Gb/s interface: 0.4 s, not 0.1 s."""
+    p = _predict(_gather(4, 125_000_000), machine())
+    assert p.time == pytest.approx(0.4)
+    assert p.breakdown[1]["pp"] == pytest.approx(0.4)
+    # the same within one node: each sender's own port, the receiver's port shared
+    p = _predict(_gather(4, 125_000_000), machine(rpn=8, intra=10 * GBIT))
+    assert p.time == pytest.approx(0.4)
+
+
+def test_prediction_falls_as_bandwidth_rises():
+    times = [
+        _predict(_gather(3, 10_000_000), machine(nic=b * GBIT, link=b * GBIT)).time
+        for b in (1, 10, 100)
+    ]
+    assert times[0] > times[1] > times[2]
+
+
+def test_breakdown_adds_up_with_compute_and_waiting():
+    """Rank 1 computes 1 s before sending: rank 0 is idle 1 s, then both move the bytes."""
+    count = 1_250_000 // 4  # 10 ms at 1 Gb/s
+    plans = [
+        Plan(0, (P2P("recv", recvs=(Msg(1, 0, "x", 0, count),)),)),
+        Plan(1, (Compute("forward", seconds=1.0), P2P("send", sends=(Msg(0, 0, "x", 0, count),)))),
+    ]
+    p = _predict(plans, machine(nic=GBIT, link=GBIT, lat=1e-5))
+    assert p.time == pytest.approx(1.0 + 1e-5 + 0.01)
+    for r in (0, 1):
+        assert sum(p.breakdown[r].values()) == pytest.approx(p.time)
+    assert p.breakdown[0]["idle"] == pytest.approx(1.0)
+    assert p.breakdown[1]["compute"] == 1.0
