@@ -223,3 +223,48 @@ def run_main(
 def wire_dtypes(args) -> tuple[str, str]:
     """(activation/parallel traffic dtype, gradient dtype) as plan dtype names."""
     return WIRE_DTYPES[args.dtype], WIRE_DTYPES[args.grad_dtype]
+
+
+def add_machine(p: argparse.ArgumentParser) -> None:
+    """The prediction options: a machine model file, its placement, what-if overrides."""
+    g = p.add_argument_group("machine model (prediction)")
+    g.add_argument(
+        "--machine",
+        metavar="FILE",
+        help="predict on this machine model (configs/machines/*.yaml, or one written by "
+        "python -m proxies calibrate): with --dry-run the predicted iteration and "
+        "breakdown; on a real run predicted beside measured",
+    )
+    g.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        metavar="N",
+        help="with --machine: N ranks per node (ranks k*N .. k*N+N-1 on node k), instead "
+        "of the file's nodes.ranks_per_node",
+    )
+    g.add_argument(
+        "--machine-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --machine: change one figure of the file, e.g. "
+        "'inter_node.bandwidth=25 Gb/s' (a what-if; repeatable; null removes a key)",
+    )
+
+
+def machine(args):
+    """The Machine of --machine (None without it); a bad file or override is a UsageError."""
+    if getattr(args, "machine", None) is None:
+        for given, option in (
+            (args.machine_set, "--machine-set"),
+            (args.ranks_per_node, "--ranks-per-node"),
+        ):
+            if given:
+                raise UsageError(f"{option} goes with --machine FILE")
+        return None
+    from proxies.core import machine as machines
+
+    try:
+        return machines.load(args.machine, args.machine_set, args.ranks_per_node)
+    except machines.MachineError as e:
+        raise UsageError(str(e)) from None
