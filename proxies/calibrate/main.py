@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- compute, every rank at once; oversubscribed ranks share cores, which the
     # predictor applies itself (ranks_per_node / cores_per_node): divide it out here
     share = max(1.0, topo.ranks_per_node / topo.cores_per_node)
-    reps = 3 if quick else 5
+    reps = 3 if quick else 10  # the default run takes seconds: medians of 10
     say("  np.matmul, copy and add rates, all ranks at once ...", flush=True)
     shapes = measure.QUICK_MATMUL_SHAPES if quick else measure.MATMUL_SHAPES
     mm = measure.matmul_rates(comm, MPI, idle, shapes, reps)

@@ -256,9 +256,10 @@ def from_mapping(
     )
 
 
-def apply_override(data: dict, text: str, path: str) -> str:
-    """Apply one "dotted.key=value" to the raw mapping; return the key. The value is read
-    as YAML ('25 Gb/s' stays text, 4 is a number, [..] a list); null or empty removes the key."""
+def apply_override(data: dict, text: str, path: str) -> list[str]:
+    """Apply one "dotted.key=value" to the raw mapping; return the key and the sections it
+    created (errors inside them name the override). The value is read as YAML ('25 Gb/s'
+    stays text, 4 is a number, [..] a list); null or empty removes the key."""
     key, sep, value = text.partition("=")
     key = key.strip()
     parts = key.split(".")
@@ -270,11 +271,12 @@ def apply_override(data: dict, text: str, path: str) -> str:
         parsed = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value.strip()
-    node = data
+    node, keys = data, [key]
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+            keys.append(".".join(parts[: i + 1]))
         elif not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
             raise MachineError(f"{path}: --machine-set {key}: {where} is not a mapping")
@@ -283,7 +285,7 @@ def apply_override(data: dict, text: str, path: str) -> str:
         node.pop(parts[-1], None)
     else:
         node[parts[-1]] = parsed
-    return key
+    return keys
 
 
 def read(path: str) -> object:
@@ -305,7 +307,7 @@ def load(path: str, overrides: Sequence[str] = (), ranks_per_node: int | None = 
     data = read(path)
     if not isinstance(data, dict):
         return from_mapping(data, path)  # raises: not a mapping
-    keys = [apply_override(data, text, path) for text in overrides]
+    keys = [k for text in overrides for k in apply_override(data, text, path)]
     rpn_key = None
     if ranks_per_node is not None:
         nodes = data.setdefault("nodes", {})

@@ -91,7 +91,8 @@ def parse_quantity(text: object, kind: str) -> float:
         if found is None or found[0] != kind:
             raise ValueError(f"{want}, got {shown}")
         scale = found[1]
-    value = number * scale
+    # dividing by 1e6 is exact where multiplying by 1e-6 is not: 15 us = 1.5e-05 exactly
+    value = number / round(1 / scale) if scale < 1 else number * scale
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{shown} is not a positive, finite {NOUNS[kind]}")
     if kind == "count" and value != round(value):
