@@ -316,6 +316,11 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
         )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")
+        if any("emulated" in n for n in topo.notes):
+            out["inter_node"] += (
+                " Nodes were emulated (--ranks-per-node) on one machine: this is shared "
+                "memory, not a network."
+            )
         nic = c["nic"]
         out["inter_node.nic_bandwidth"] = (
             f"{nic['flows']} flow(s) of {nic['bytes_each'] >> 20} MiB from the other nodes into "

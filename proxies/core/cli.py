@@ -11,6 +11,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxies.core.machine import Machine
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
 ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "dbtree", "hier", "naive")  # proxies.collectives
@@ -252,7 +256,7 @@ def add_machine(p: argparse.ArgumentParser) -> None:
     )
 
 
-def machine(args):
+def machine(args: argparse.Namespace) -> Machine | None:
     """The Machine of --machine (None without it); a bad file or override is a UsageError."""
     if getattr(args, "machine", None) is None:
         for given, option in (
