@@ -12,6 +12,7 @@ COMMANDS = {
     "collectives": "allreduce algorithms benchmark (nccl-tests style table)",
     "sweep": "run a YAML scaling sweep",
     "report": "tables and plots of a sweep's results",
+    "calibrate": "measure this allocation and write a machine file (--machine)",
 }
 
 

@@ -11,6 +11,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxies.core.machine import Machine
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
 ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "dbtree", "hier", "naive")  # proxies.collectives
@@ -208,6 +212,7 @@ def add_common(
         "without asynchronous progress moves nothing during compute)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
+    add_machine(p)
 
 
 def env_world_size() -> int | None:
@@ -235,12 +240,65 @@ def wire_dtypes(args) -> tuple[str, str]:
     return WIRE_DTYPES[args.dtype], WIRE_DTYPES[args.grad_dtype]
 
 
+def add_machine(p: argparse.ArgumentParser) -> None:
+    """The prediction options: a machine model file, its placement, what-if overrides."""
+    g = p.add_argument_group("machine model (prediction)")
+    g.add_argument(
+        "--machine",
+        metavar="FILE",
+        help="predict on this machine model (configs/machines/*.yaml, or one written by "
+        "python -m proxies calibrate): with --dry-run the predicted iteration and "
+        "breakdown; on a real run predicted beside measured",
+    )
+    g.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        metavar="N",
+        help="with --machine: N ranks per node (ranks k*N .. k*N+N-1 on node k), instead "
+        "of the file's nodes.ranks_per_node",
+    )
+    g.add_argument(
+        "--machine-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --machine: change one figure of the file, e.g. "
+        "'inter_node.bandwidth=25 Gb/s' (a what-if; repeatable; null removes a key)",
+    )
+    g.add_argument(
+        "--predict",
+        choices=("auto", "steps", "coarse"),
+        default="auto",
+        help="with --machine: collectives priced message by message (steps: exact to the "
+        "algorithm), by aggregated phases (coarse: scales to thousands of ranks), or steps "
+        "while that stays small (auto, the default)",
+    )
+
+
+def machine(args: argparse.Namespace) -> Machine | None:
+    """The Machine of --machine (None without it); a bad file or override is a UsageError."""
+    if getattr(args, "machine", None) is None:
+        for given, option in (
+            (args.machine_set, "--machine-set"),
+            (args.ranks_per_node, "--ranks-per-node"),
+        ):
+            if given:
+                raise UsageError(f"{option} goes with --machine FILE")
+        return None
+    from proxies.core import machine as machines
+
+    try:
+        return machines.load(args.machine, args.machine_set, args.ranks_per_node)
+    except machines.MachineError as e:
+        raise UsageError(str(e)) from None
+
+
 def use_machine(args):
     """The machine model of --machine (None without it), with what it implies for the run:
     its device rate becomes --device-tflops unless that was given."""
-    if not getattr(args, "machine", None):
-        return None
     m = machine(args)
+    if m is None:
+        return None
     if m.device_flops and not getattr(args, "device_tflops_given", False):
         args.device_tflops = m.device_flops / 1e12
     return m

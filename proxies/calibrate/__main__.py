@@ -1,0 +1,3 @@
+from proxies.calibrate.main import entry
+
+entry()

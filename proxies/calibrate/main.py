@@ -1,0 +1,361 @@
+"""python -m proxies calibrate: measure the allocation it runs on, write a machine file.
+
+Nodes come from MPI (COMM_TYPE_SHARED) unless --ranks-per-node emulates them; then:
+point-to-point ping-pong within a node (and across nodes, with 2 or more), fitted to
+latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul, copy
+and add rates with every rank of a node busy at once; each allreduce algorithm of
+proxies.collectives at a few sizes. Rank 0 writes the file (proxies.core.machine.dump),
+with what was measured how in comments and the raw points and fit residuals under
+`calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from proxies.calibrate import measure
+from proxies.core import cli
+from proxies.core.machine import Level, Machine, dump
+from proxies.core.units import format_quantity
+
+PROG = "proxies.calibrate"
+
+
+def parser() -> cli.Parser:
+    p = cli.Parser(
+        prog="python -m proxies calibrate",
+        description="Measure this allocation (point-to-point latency and bandwidth within "
+        "and across nodes, the NIC, NumPy compute rates, allreduce algorithms) and write "
+        "a machine file for --machine.",
+    )
+    p.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="the machine file to write"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and repetitions: seconds instead of a minute, rougher figures",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=cli.positive_int,
+        metavar="R",
+        help="emulate nodes of R consecutive ranks (default: MPI's shared-memory split); "
+        "on one machine the 'inter-node' figures then measure shared memory",
+    )
+    p.add_argument("--name", help="the machine's name (default: the output file's name)")
+    return p
+
+
+def output_problem(path: str) -> str | None:
+    """Why `path` cannot be written, or None: checked before anything is measured."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"-o {path}: is a directory"
+    if not os.path.isdir(folder):
+        return f"-o {path}: no such directory {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"-o {path}: cannot write in {folder}"
+    return None
+
+
+@dataclass
+class Topology:
+    node_of: list[int]  # world rank -> node index
+    ranks_per_node: int
+    cores_per_node: int
+    real_nodes: int  # machines (shared-memory domains)
+    real_ranks: int  # ranks on the most crowded machine
+    real_cores: int  # cores of the smallest machine
+    crowded: bool  # some machine has more ranks than cores
+    notes: list[str]
+
+
+def topology(comm, MPI, emulate: int | None) -> Topology:
+    from proxies.core.threads import cores_available
+
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leader = shared.allreduce(comm.rank, op=MPI.MIN)
+    try:
+        mine = set(os.sched_getaffinity(0))
+    except AttributeError:  # macOS: no affinity, all cores
+        mine = set(range(cores_available()))
+    cores = len(set().union(*shared.allgather(mine)))  # what this machine's ranks may use
+    machines = dict(comm.allgather((leader, (shared.size, cores))))
+    leaders = comm.allgather(leader)
+    shared.Free()
+    real_ranks = max(n for n, _ in machines.values())
+    real_cores = min(c for _, c in machines.values())
+    crowded = any(n > c for n, c in machines.values())
+    notes = []
+    if emulate:
+        node_of = [q // emulate for q in range(comm.size)]
+        # an emulated node gets its share of its machine's cores
+        cores_per_node = max(1, real_cores * emulate // real_ranks)
+        notes.append(f"nodes emulated: --ranks-per-node {emulate} on {len(machines)} machine(s)")
+    else:
+        ids: dict[int, int] = {}
+        node_of = [ids.setdefault(q, len(ids)) for q in leaders]
+        cores_per_node = real_cores
+    sizes = Counter(node_of)
+    if len(set(sizes.values())) > 1:
+        notes.append(f"nodes hold different rank counts {sorted(sizes.values())}: took the most")
+    if any(b < a for a, b in zip(node_of, node_of[1:], strict=False)):
+        notes.append("MPI placed ranks round robin, not in blocks of consecutive ranks")
+    return Topology(
+        node_of, max(sizes.values()), cores_per_node, len(machines), real_ranks, real_cores,
+        crowded, notes,
+    )  # fmt: skip
+
+
+def sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def p2p(comm, MPI, barrier, a: int, b: int, quick: bool) -> tuple[Level, dict]:
+    sizes = measure.QUICK_PINGPONG_SIZES if quick else measure.PINGPONG_SIZES
+    points = measure.pingpong(comm, MPI, barrier, a, b, sizes, quick)
+    latency, bandwidth, residuals = measure.fit_hockney(points)
+    record = {
+        "ranks": [a, b],
+        "latency": sig(latency),
+        "bandwidth": sig(bandwidth),
+        "points": [[s, sig(t), sig(r, 3)] for (s, t), r in zip(points, residuals, strict=True)],
+        "max_abs_residual": sig(max(abs(r) for r in residuals), 3),
+    }
+    return Level(sig(latency), sig(bandwidth)), record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from proxies.core import mpi
+    from proxies.core.engine import Waiter
+
+    MPI = mpi.init()
+    comm = MPI.COMM_WORLD
+    mpi.abort_on_exception(comm, PROG)
+    n, r = comm.size, comm.rank
+    say = print if r == 0 else (lambda *a, **k: None)
+
+    # -- everything that can be refused, refused before measuring
+    mpi.agree(comm, output_problem(args.output) if r == 0 else None, PROG)
+    rpn = args.ranks_per_node
+    if rpn and n % rpn:
+        mpi.agree(comm, f"--ranks-per-node {rpn} does not divide the {n} ranks", PROG)
+    topo = topology(comm, MPI, rpn)
+    sizes = Counter(topo.node_of)
+    pairs = [q for q in sorted(sizes) if sizes[q] >= 2]
+    if not pairs:
+        mpi.agree(
+            comm,
+            "every node has one rank: run 2 or more ranks on a node so that intra_node can "
+            "be measured (predict with --ranks-per-node 1 afterwards)",
+            PROG,
+        )
+    nodes = len(sizes)
+    waiter = Waiter(MPI, "yield")
+    idle = lambda: waiter.barrier(comm)  # noqa: E731
+    quick = args.quick
+    t_start = time.time()
+    how = f"--ranks-per-node {rpn}" if rpn else "MPI's shared-memory split"
+    say(
+        f"{PROG}: {n} ranks, {nodes} node(s) of {topo.ranks_per_node} ({how}), "
+        f"{topo.cores_per_node} core(s) per node" + (" · quick" if quick else ""),
+        flush=True,
+    )
+    for note in topo.notes:
+        say(f"  note: {note}", flush=True)
+
+    calibration: dict = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ranks": n,
+        "nodes": nodes,
+        "machines": topo.real_nodes,
+        "library": mpi.describe(MPI)["library"],
+        "quick": quick,
+        "oversubscribed": topo.crowded,
+    }
+    if topo.notes:
+        calibration["notes"] = topo.notes
+    first = {q: topo.node_of.index(q) for q in sizes}
+
+    # -- point to point within a node, then across nodes
+    a = first[pairs[0]]
+    b = topo.node_of.index(pairs[0], a + 1)
+    say(f"  intra-node ping-pong, ranks {a} and {b} ...", flush=True)
+    intra, calibration["intra_node"] = p2p(comm, MPI, idle, a, b, quick)
+    inter, nic = None, None
+    if nodes >= 2:
+        a, b = first[0], first[1]
+        say(f"  inter-node ping-pong, ranks {a} and {b} ...", flush=True)
+        inter, calibration["inter_node"] = p2p(comm, MPI, idle, a, b, quick)
+        size = (1 if quick else 16) << 20
+        say(f"  concurrent flows into node 0, {size >> 20} MiB each ...", flush=True)
+        nic, flows, seconds = measure.incast(comm, MPI, idle, topo.node_of, size, 2 if quick else 5)
+        calibration["nic"] = {
+            "flows": flows,
+            "bytes_each": size,
+            "seconds": sig(seconds),
+            "bandwidth": sig(nic),
+        }
+
+    # -- compute, every rank at once; oversubscribed ranks share cores, which the
+    # predictor applies itself (ranks_per_node / cores_per_node): divide it out here
+    share = max(1.0, topo.ranks_per_node / topo.cores_per_node)
+    reps = 3 if quick else 10  # the default run takes seconds: medians of 10
+    say("  np.matmul, copy and add rates, all ranks at once ...", flush=True)
+    shapes = measure.QUICK_MATMUL_SHAPES if quick else measure.MATMUL_SHAPES
+    mm = measure.matmul_rates(comm, MPI, idle, shapes, reps)
+    per_shape = [statistics.median(rates) for _, rates in mm]
+    matmul = statistics.median(per_shape) * share
+    copy_bytes = (8 if quick else 64) << 20
+    memory = statistics.median(measure.copy_rates(comm, MPI, idle, copy_bytes, reps)) * share
+    add_bytes = (4 if quick else 32) << 20
+    reduce = statistics.median(measure.add_rates(comm, MPI, idle, add_bytes, reps)) * share
+    calibration["compute"] = {
+        "matmul": [[*shape, sig(rate)] for (shape, _), rate in zip(mm, per_shape, strict=True)],
+        "copy_bytes": copy_bytes,
+        "add_bytes": add_bytes,
+        "shared_cores_factor": sig(share),
+    }
+
+    # -- allreduce algorithms on the whole world
+    say("  allreduce algorithms ...", flush=True)
+    yielding = topo.crowded
+    times = measure.allreduce_measurements(
+        comm,
+        MPI,
+        measure.QUICK_ALLREDUCE_SIZES if quick else measure.ALLREDUCE_SIZES,
+        reps=reps,
+        warmup=1 if quick else 2,
+        wait=waiter.waitall if yielding else None,
+        barrier=idle if yielding else comm.Barrier,
+        ranks_per_node=rpn,
+    )
+    calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
+    calibration["seconds"] = sig(time.time() - t_start, 3)
+
+    unmeasured = (["inter_node"] if inter is None else []) + ["compute.device", "switch"]
+    m = Machine(
+        name=args.name or os.path.splitext(os.path.basename(args.output))[0],
+        source="",
+        ranks_per_node=topo.ranks_per_node,
+        cores_per_node=topo.cores_per_node,
+        intra=intra,
+        inter=inter,
+        nic_bandwidth=sig(nic) if nic else None,
+        switch_nodes=None,
+        oversubscription=1.0,
+        matmul_flops=sig(matmul),
+        memory_bandwidth=sig(memory),
+        device_flops=None,
+        reduce_bandwidth=sig(reduce),
+        mpi={},
+        unmeasured=tuple(unmeasured),
+        calibration=calibration,
+    )
+    error = None
+    if r == 0:
+        summary(m, topo, share)
+        try:
+            dump(m, args.output, comments(m, topo, share, quick))
+            print(f"wrote {args.output}", flush=True)
+        except OSError as e:
+            error = f"-o {args.output}: cannot write: {e.strerror}"
+    mpi.agree(comm, error, PROG)
+    return 0
+
+
+def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str, str]:
+    c = m.calibration
+    crowd = (
+        f" Ranks outnumbered cores ({topo.real_ranks} ranks on {topo.real_cores} cores): the "
+        "pair shared cores with waiting ranks, as the runs do."
+        if topo.crowded
+        else ""
+    )
+    span = "8 B .. 2 MiB" if quick else "8 B .. 64 MiB"
+    fit = (
+        f"Ping-pong ({span}, blocking Send/Recv, median round trip / 2), fitted to "
+        "latency + bytes / bandwidth by least squares on the relative time; points and "
+        "residuals under calibration.{}." + crowd
+    )
+    out = {
+        "": f"Written by python -m proxies calibrate{' --quick' if quick else ''} on "
+        f"{c['date']}: {c['ranks']} ranks, {c['nodes']} node(s), {c['library']}. "
+        "Figures are per rank; see calibration: for what was measured.",
+        "nodes.ranks_per_node": "from MPI's shared-memory split"
+        if not any("emulated" in n for n in topo.notes)
+        else "emulated nodes (--ranks-per-node)",
+        "nodes.cores_per_node": "cores the node's ranks may run on (sched_getaffinity), "
+        "the smallest node's",
+        "intra_node": fit.format("intra_node"),
+        "compute.matmul": "np.matmul float32 at the GPT-2 124M widths, every rank at once, "
+        "the median shape's per-rank rate",
+        "compute.memory": "np.copyto of a large array: bytes read + written per second "
+        "(a copy of S bytes moves 2S), per rank, every rank at once",
+        "compute.reduce": "np.add(acc, recv, out=acc): bytes of received data added per "
+        "second, per rank, every rank at once",
+        "unmeasured": "not measured: "
+        + ("inter_node (one node: run on 2 or more nodes), " if m.inter is None else "")
+        + "compute.device (NumPy runs on the CPU), switch (the topology is not probed)",
+        "calibration": "raw measurements: [bytes, seconds, relative residual of the fit] per "
+        "ping-pong size; allreduce: [bytes per rank, seconds per call, slowest rank, "
+        "median of calls] per algorithm of proxies.collectives",
+    }
+    if share > 1:
+        out["compute.matmul"] += (
+            f"; ranks outnumbered cores, so the measured rate x {share:g} (ranks per node / "
+            "cores): the predictor's slowdown by that factor gives the measurement back. "
+            "Memory and reduce likewise"
+        )
+    if m.inter is not None:
+        out["inter_node"] = fit.format("inter_node")
+        if any("emulated" in n for n in topo.notes):
+            out["inter_node"] += (
+                " Nodes were emulated (--ranks-per-node) on one machine: this is shared "
+                "memory, not a network."
+            )
+        nic = c["nic"]
+        out["inter_node.nic_bandwidth"] = (
+            f"{nic['flows']} flow(s) of {nic['bytes_each'] >> 20} MiB from the other nodes into "
+            "node 0 at once, bytes / slowest time (a lower bound when few nodes send)"
+        )
+    return out
+
+
+def summary(m: Machine, topo: Topology, share: float) -> None:
+    q = format_quantity
+    c = m.calibration
+    print(
+        f"  intra_node  latency {q(m.intra.latency, 'time')}, bandwidth "
+        f"{q(m.intra.bandwidth, 'bandwidth')} (fit within "
+        f"{100 * c['intra_node']['max_abs_residual']:.0f}%)"
+    )
+    if m.inter is not None:
+        print(
+            f"  inter_node  latency {q(m.inter.latency, 'time')}, bandwidth "
+            f"{q(m.inter.bandwidth, 'bandwidth')} (fit within "
+            f"{100 * c['inter_node']['max_abs_residual']:.0f}%), NIC "
+            f"{q(m.nic_bandwidth, 'bandwidth')} ({c['nic']['flows']} flows)"
+        )
+    print(
+        f"  compute     matmul {q(m.matmul_flops, 'rate')}, memory "
+        f"{q(m.memory_bandwidth, 'bandwidth')}, reduce {q(m.reduce_bandwidth, 'bandwidth')} "
+        f"per rank" + (f" (measured x {share:g}: ranks outnumbered cores)" if share > 1 else "")
+    )
+    largest = {k: v[-1] for k, v in c["allreduce"].items()}
+    words = ", ".join(f"{k} {v[1] * 1e6:.0f} us" for k, v in largest.items())
+    size = next(iter(largest.values()))[0]
+    print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    missing = [u for u in m.unmeasured]
+    print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
+
+
+def entry() -> None:
+    cli.run_main(PROG, main)

@@ -1,0 +1,208 @@
+"""What calibrate measures. Every function is collective: all ranks of `comm` call it.
+
+Timing discipline: MPI.Wtime, warm-ups before timed repetitions, the median of the
+repetitions; where several ranks take part, the slowest rank's time. Ranks with nothing to
+do wait in a yielding barrier (test and sleep), so on a node with more ranks than cores
+they leave the cores to the ranks that measure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+TAG = 31000  # below the collectives' tags (32000+), away from the proxies' small ones
+
+# 8 B .. 32 MiB by 4, then 64 MiB; quick: 8 B .. 2 MiB by 8
+PINGPONG_SIZES = [8 * 4**k for k in range(12)] + [64 << 20]
+QUICK_PINGPONG_SIZES = [8 * 8**k for k in range(7)]
+
+
+def pingpong_reps(size: int, quick: bool) -> int:
+    """Round trips per size: many for small messages (their times are short and noisy)."""
+    reps = int(min(200, max(5, 2**24 // max(size, 1))))
+    return max(3, reps // 8) if quick else reps
+
+
+def pingpong(
+    comm, MPI, idle_barrier: Callable[[], None], a: int, b: int, sizes: Sequence[int], quick: bool
+) -> list[tuple[int, float]]:
+    """One-way seconds per message size between ranks a and b: the median round trip / 2
+    (blocking Send/Recv on uppercase buffers), two round trips of warm-up per size."""
+    r = comm.rank
+    out: list[tuple[int, float]] = []
+    if r in (a, b):
+        peer = b if r == a else a
+        buf = np.ones(max(sizes), dtype=np.uint8)  # touched: no page faults in the timing
+        for size in sizes:
+            view = buf[:size]
+            times = []
+            for i in range(2 + pingpong_reps(size, quick)):
+                if r == a:
+                    t0 = MPI.Wtime()
+                    comm.Send(view, dest=peer, tag=TAG)
+                    comm.Recv(view, source=peer, tag=TAG)
+                    if i >= 2:
+                        times.append((MPI.Wtime() - t0) / 2)
+                else:
+                    comm.Recv(view, source=peer, tag=TAG)
+                    comm.Send(view, dest=peer, tag=TAG)
+            if r == a:
+                out.append((size, statistics.median(times)))
+    idle_barrier()
+    return comm.bcast(out, root=a)
+
+
+def fit_hockney(points: Sequence[tuple[int, float]]) -> tuple[float, float, list[float]]:
+    """(latency, bandwidth, relative residuals) of t = latency + bytes / bandwidth.
+
+    Least squares on the relative error (each equation divided by its measured time), so
+    8 B and 64 MiB weigh alike: an absolute fit would let the large sizes decide the
+    latency alone. Residual = (fitted - measured) / measured, per size."""
+    s = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    design = np.column_stack([1 / t, s / t])
+    (alpha, inv_bw), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if inv_bw <= 0:  # no growth with size (cannot happen with MiB messages): largest size
+        inv_bw = t[-1] / s[-1]
+    if alpha <= 0:  # bandwidth explains even the smallest message: keep what it leaves
+        alpha = max(float(np.min(t - s * inv_bw)), float(np.min(t)) * 1e-3)
+    fitted = alpha + s * inv_bw
+    return float(alpha), float(1 / inv_bw), [float(x) for x in (fitted - t) / t]
+
+
+def incast(
+    comm, MPI, barrier: Callable[[], None], node_of: Sequence[int], size: int, reps: int
+) -> tuple[float, int, float] | None:
+    """Concurrent flows into one node: every rank of nodes 1.. sends `size` bytes to a rank
+    of node 0 (round robin), all at once. (bytes/s into node 0, flows, median seconds);
+    None with fewer than 2 nodes. What node 0's interface(s) took in at once is the NIC's
+    bandwidth, unless the senders' side is narrower (few sending nodes): say so."""
+    if max(node_of) < 1:
+        return None
+    receivers = [q for q, n in enumerate(node_of) if n == 0]
+    senders = [q for q, n in enumerate(node_of) if n != 0]
+    target = {s: receivers[i % len(receivers)] for i, s in enumerate(senders)}
+    mine = [s for s in senders if target[s] == comm.rank]
+    buf = np.ones(size * max(1, len(mine)), dtype=np.uint8)
+    times = []
+    for rep in range(1 + reps):
+        barrier()
+        t0 = MPI.Wtime()
+        if comm.rank in target:
+            comm.Send(buf[:size], dest=target[comm.rank], tag=TAG + 1)
+        elif mine:
+            reqs = [
+                comm.Irecv(buf[i * size : (i + 1) * size], source=s, tag=TAG + 1)
+                for i, s in enumerate(mine)
+            ]
+            MPI.Request.Waitall(reqs)
+        took = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+        if rep:
+            times.append(took)
+    seconds = statistics.median(times)
+    return len(senders) * size / seconds, len(senders), seconds
+
+
+def kernel_rate(
+    comm, MPI, barrier: Callable[[], None], fn: Callable[[], object], work: float, reps: int
+) -> list[float]:
+    """work / seconds of fn() on every rank at once (the contention runs see): one warm-up,
+    a barrier so the ranks start together, `reps` timed calls; each rank's median rate,
+    gathered (index = rank)."""
+    fn()
+    barrier()
+    times = []
+    for _ in range(reps):
+        t0 = MPI.Wtime()
+        fn()
+        times.append(MPI.Wtime() - t0)
+    return comm.allgather(work / statistics.median(times))
+
+
+MATMUL_SHAPES = [(256, 768, 768), (256, 768, 3072), (1024, 1024, 1024)]  # GPT-2 124M widths
+QUICK_MATMUL_SHAPES = [(128, 256, 256), (256, 256, 1024)]
+
+
+def matmul_rates(comm, MPI, barrier, shapes, reps: int) -> list[tuple[tuple, list[float]]]:
+    """FLOP/s of np.matmul (float32, 2mkn FLOPs) per shape (m, k, n), per rank."""
+    out = []
+    rng = np.random.default_rng(comm.rank)
+    for m, k, n in shapes:
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        y = np.empty((m, n), dtype=np.float32)
+
+        def fn(x=x, w=w, y=y):
+            return np.matmul(x, w, out=y)
+
+        rates = kernel_rate(comm, MPI, barrier, fn, 2 * m * k * n, reps)
+        out.append(((m, k, n), rates))
+    return out
+
+
+def copy_rates(comm, MPI, barrier, nbytes: int, reps: int) -> list[float]:
+    """Bytes read + written per second by np.copyto of nbytes (a copy moves 2 x nbytes,
+    STREAM's convention), per rank."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.zeros_like(src)
+    return kernel_rate(comm, MPI, barrier, lambda: np.copyto(dst, src), 2 * src.nbytes, reps)
+
+
+def add_rates(comm, MPI, barrier, nbytes: int, reps: int) -> list[float]:
+    """Bytes of received data added per second: np.add(acc, recv, out=acc) on nbytes of
+    float32, as a reduction step adds a received block into its own, per rank."""
+    acc = np.zeros(nbytes // 4, dtype=np.float32)
+    recv = np.zeros_like(acc)  # zeros: repeated sums stay finite; an add costs the same
+    return kernel_rate(comm, MPI, barrier, lambda: np.add(acc, recv, out=acc), acc.nbytes, reps)
+
+
+ALLREDUCE_SIZES = [8, 64 << 10, 1 << 20, 16 << 20]
+QUICK_ALLREDUCE_SIZES = [8, 64 << 10]
+
+
+def allreduce_measurements(
+    comm,
+    MPI,
+    sizes: Sequence[int] = ALLREDUCE_SIZES,
+    algorithms: Sequence[str] | None = None,
+    *,
+    reps: int = 5,
+    warmup: int = 2,
+    wait: Callable | None = None,
+    barrier: Callable[[], None] | None = None,
+    ranks_per_node: int | None = None,
+) -> dict[str, list[tuple[int, float]]]:
+    """Seconds per in-place float32 allreduce (sum) of each algorithm of
+    proxies.collectives at each size (bytes per rank) on the whole of `comm`:
+    {alg: [(bytes, seconds), ...]}. Per size and algorithm: `warmup` untimed calls, then
+    `reps` calls each started after a barrier and timed alone; a call's time is the slowest
+    rank's, the figure the median over calls. Algorithms alternate within a size, so load
+    that drifts touches them alike. `wait` (e.g. the engine's Waiter.waitall) completes
+    requests, None for MPI's blocking waits; ranks_per_node is for hier."""
+    from proxies.collectives import ALGORITHMS, allreduce
+
+    algs = list(algorithms or ALGORITHMS)
+    barrier = barrier or comm.Barrier
+    whole = np.zeros(max(sizes) // 4 or 1, dtype=np.float32)
+    out: dict[str, list[tuple[int, float]]] = {a: [] for a in algs}
+    for size in sizes:
+        buf = whole[: max(1, size // 4)]
+        for alg in algs:
+            buf[...] = 0
+
+            def call(buf=buf, alg=alg):
+                allreduce(comm, buf, alg, wait=wait, ranks_per_node=ranks_per_node)
+
+            for _ in range(warmup):
+                call()
+            times = []
+            for _ in range(reps):
+                barrier()
+                t0 = MPI.Wtime()
+                call()
+                times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+            out[alg].append((buf.nbytes, statistics.median(times)))
+    return out

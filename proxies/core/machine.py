@@ -1,0 +1,417 @@
+"""Machine models: one YAML file describing a cluster, on which the predictor prices plans.
+
+    name: 10 GbE cluster
+    nodes: {ranks_per_node: 1, cores_per_node: 16}
+    intra_node: {latency: 0.5 us, bandwidth: 10 GB/s}       # each rank's port, each way
+    inter_node: {latency: 15 us, bandwidth: 10 Gb/s, nic_bandwidth: 10 Gb/s}   # optional
+    switch: {nodes_per_switch: 32, oversubscription: 2}     # optional
+    compute: {matmul: 100 GFLOP/s, memory: 10 GB/s, device: 150 TFLOP/s, reduce: 5 GB/s}
+    mpi: {allreduce: [[2 KiB, tree], [any, rhd]]}           # optional
+    unmeasured: [inter_node]                                 # optional (calibrate)
+    calibration: {...}                                       # optional (calibrate)
+
+Every figure carries its unit (proxies.core.units). `load` validates everything and raises
+MachineError "<file>: <key>: <what is wrong>" (one line); `cli.machine` turns it into a
+usage error (exit 2). Overrides "dotted.key=value" (--machine-set) are applied to the YAML
+mapping before validation, so they are checked the same way, and errors name them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import yaml
+
+from proxies.core.cli import ALLREDUCE_ALGS
+from proxies.core.units import format_quantity, parse_quantity
+
+__all__ = ["Level", "Machine", "MachineError", "dump", "load", "parse_quantity"]
+
+
+class MachineError(Exception):
+    """A bad machine file or override; str(e) is one line: '<file>: <key>: <what>'."""
+
+
+@dataclass(frozen=True)
+class Level:
+    latency: float  # seconds per message (Hockney alpha)
+    bandwidth: float  # bytes/s one flow can reach on this level's link (each direction)
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    source: str  # file path it was read from ("" if built in code)
+    ranks_per_node: int  # default placement: ranks k*R .. k*R+R-1 form node k
+    cores_per_node: int  # ranks beyond this share cores: compute slows by R / cores
+    intra: Level  # between two ranks of one node; bandwidth is each rank's port
+    inter: Level | None  # between nodes; None for a one-node machine
+    nic_bandwidth: float | None  # bytes/s of each node's interface(s), each direction, shared
+    switch_nodes: int | None  # nodes per leaf switch (None: one non-blocking switch)
+    oversubscription: float  # leaf uplink = switch_nodes * nic_bandwidth / this (1.0 = none)
+    matmul_flops: float | None  # FLOP/s per rank of the real NumPy kernels (compute=real)
+    memory_bandwidth: float | None  # bytes/s per rank, read + written, memory-bound kernels
+    device_flops: float | None  # FLOP/s per rank for compute=model
+    reduce_bandwidth: float  # bytes/s per rank at which a reduction adds received data
+    # per collective kind: [(up_to_bytes, alg), ...] ascending, the last up_to = ANY;
+    # a message of s bytes runs the first alg whose up_to >= s. {} = MPICH's defaults apply.
+    mpi: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    unmeasured: tuple[str, ...] = ()  # figures calibrate could not measure
+    calibration: dict = field(default_factory=dict)  # what calibrate measured (fits, residuals)
+
+    def node_of(self, rank: int) -> int:
+        """The node of `rank` under the default placement (consecutive blocks)."""
+        return rank // self.ranks_per_node
+
+
+ANY = 2**63  # "and above" in mpi thresholds
+MPI_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
+# Algorithm names an `mpi:` entry may give: ours (proxies.collectives) and MPICH's usual
+# ones (rd = recursive doubling, rhd = recursive halving + doubling). The predictor may add.
+MPI_ALGORITHMS: tuple[str, ...] = tuple(
+    dict.fromkeys((*ALLREDUCE_ALGS, "rd", "pairwise", "bruck", "binomial", "ring", "rhd"))
+)
+
+# section -> {key: kind}; kind is a units kind, "int" (positive integer) or "ratio" (>= 1)
+SECTIONS: dict[str, dict[str, str]] = {
+    "nodes": {"ranks_per_node": "int", "cores_per_node": "int"},
+    "intra_node": {"latency": "time", "bandwidth": "bandwidth"},
+    "inter_node": {"latency": "time", "bandwidth": "bandwidth", "nic_bandwidth": "bandwidth"},
+    "switch": {"nodes_per_switch": "int", "oversubscription": "ratio"},
+    "compute": {"matmul": "rate", "memory": "bandwidth", "device": "rate", "reduce": "bandwidth"},
+}
+REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
+OPTIONAL = {"switch.oversubscription", "compute.matmul", "compute.memory", "compute.device"}
+TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
+FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
+
+
+def _nearest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(choices)}"
+
+
+class _Checker:
+    """Validation state: the file name for messages, and which keys came from where."""
+
+    def __init__(self, path: str, overridden: Sequence[str], rpn_key: str | None):
+        self.path, self.overridden, self.rpn_key = path, tuple(overridden), rpn_key
+
+    def label(self, key: str) -> str:
+        if key == self.rpn_key:
+            return "--ranks-per-node"
+        if any(key == k or key.startswith(k + ".") for k in self.overridden):
+            return f"--machine-set {key}"
+        return key
+
+    def fail(self, key: str, what: str):
+        where = f"{self.path}: {self.label(key)}: " if key else f"{self.path}: "
+        raise MachineError(where + what)
+
+    def mapping(self, value: object, key: str, known: Sequence[str]) -> dict:
+        if not isinstance(value, dict):
+            self.fail(key, f"expected a mapping with keys {', '.join(known)}, got {value!r}")
+        for k in value:
+            if k not in known:
+                sub = f"{key}.{k}" if key else str(k)
+                self.fail(sub, f"unknown key ({_nearest(str(k), known)})")
+        return value
+
+    def figure(self, name: str, section: dict, key: str, kind: str) -> float | int | None:
+        full = f"{name}.{key}"
+        value = section.get(key)
+        if value is None:
+            if full in OPTIONAL:
+                return None
+            self.fail(full, f"missing: a required figure ({_KIND_WORDS[kind]})")
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self.fail(full, f"expected a positive integer, got {value!r}")
+            return value
+        if kind == "ratio":
+            if isinstance(value, str) and value.strip().endswith(":1"):  # "2:1"
+                value = value.strip()[:-2].strip()
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value < 1:
+                self.fail(full, f"expected a ratio >= 1 like 2 or '2:1' (1 = none), got {value!r}")
+            return float(value)
+        try:
+            return parse_quantity(value, kind)
+        except ValueError as e:
+            self.fail(full, str(e))
+
+
+_KIND_WORDS = {
+    "int": "a positive integer",
+    "ratio": "a ratio >= 1",
+    "time": "a time like '15 us'",
+    "bandwidth": "a bandwidth like '10 Gb/s' or '25 GB/s'",
+    "rate": "a rate like '150 TFLOP/s'",
+}
+
+
+def _mpi_table(c: _Checker, value: object) -> dict[str, list[tuple[int, str]]]:
+    table = c.mapping(value, "mpi", MPI_KINDS)
+    out: dict[str, list[tuple[int, str]]] = {}
+    for kind, rows in table.items():
+        key = f"mpi.{kind}"
+        if isinstance(rows, str):  # one algorithm at every size
+            rows = [["any", rows]]
+        if not isinstance(rows, list) or not rows:
+            c.fail(key, f"expected [[SIZE, ALG], ..., [any, ALG]] or one ALG, got {rows!r}")
+        entries: list[tuple[int, str]] = []
+        for i, row in enumerate(rows, 1):
+            if not (isinstance(row, list) and len(row) == 2):
+                c.fail(key, f"entry {i}: expected [SIZE, ALG] like [2 KiB, tree], got {row!r}")
+            size, alg = row
+            if alg not in MPI_ALGORITHMS:
+                close = difflib.get_close_matches(str(alg), MPI_ALGORITHMS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                known = ", ".join(MPI_ALGORITHMS)
+                c.fail(key, f"entry {i}: unknown algorithm {alg!r} ({hint}choose from {known})")
+            if size == "any":
+                if i != len(rows):
+                    c.fail(key, f"entry {i}: 'any' (and above) must be the last entry")
+                entries.append((ANY, alg))
+                continue
+            try:
+                up_to = int(parse_quantity(size, "count"))
+            except ValueError as e:
+                c.fail(key, f"entry {i}: {e} or 'any'")
+            if entries and up_to <= entries[-1][0]:
+                c.fail(key, f"entry {i}: sizes must ascend, {size!r} follows {rows[i - 2][0]!r}")
+            entries.append((up_to, alg))
+        if entries[-1][0] != ANY:
+            c.fail(key, "the last entry must be [any, ALG] (the algorithm above every size)")
+        out[kind] = entries
+    return out
+
+
+def from_mapping(
+    data: object,
+    path: str = "<machine>",
+    overridden: Sequence[str] = (),
+    ranks_per_node_key: str | None = None,
+) -> Machine:
+    """Validate a parsed machine file (see the module docstring) into a Machine."""
+    c = _Checker(path, overridden, ranks_per_node_key)
+    if not isinstance(data, dict):
+        c.fail("", f"expected a mapping with keys {', '.join(TOP_KEYS)}, got {type(data).__name__}")
+    c.mapping(data, "", TOP_KEYS)
+    for s in REQUIRED_SECTIONS:
+        if data.get(s) is None:
+            c.fail(s, f"missing: a required section with {', '.join(SECTIONS[s])}")
+    fig: dict[str, float | int | None] = {}
+    for s, keys in SECTIONS.items():
+        if data.get(s) is None:
+            continue
+        section = c.mapping(data[s], s, list(keys))
+        for k, kind in keys.items():
+            fig[f"{s}.{k}"] = c.figure(s, section, k, kind)
+    if data.get("switch") is not None and data.get("inter_node") is None:
+        c.fail("switch", "a switch needs inter_node (a machine without it is one node)")
+
+    name = data.get("name", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(name, str) or not name.strip():
+        c.fail("name", f"expected a non-empty string, got {name!r}")
+    mpi = _mpi_table(c, data["mpi"]) if data.get("mpi") is not None else {}
+    unmeasured = data.get("unmeasured") or []
+    if not isinstance(unmeasured, list) or not all(isinstance(u, str) for u in unmeasured):
+        c.fail("unmeasured", f"expected a list of keys like [inter_node], got {unmeasured!r}")
+    for u in unmeasured:
+        if u not in SECTIONS and u not in FIGURES:
+            c.fail("unmeasured", f"unknown key {u!r} ({_nearest(u, [*SECTIONS, *FIGURES])})")
+    calibration = data.get("calibration") or {}
+    if not isinstance(calibration, dict):
+        c.fail("calibration", f"expected a mapping, got {calibration!r}")
+
+    has_inter = data.get("inter_node") is not None
+    return Machine(
+        name=name.strip(),
+        source=path,
+        ranks_per_node=int(fig["nodes.ranks_per_node"]),
+        cores_per_node=int(fig["nodes.cores_per_node"]),
+        intra=Level(fig["intra_node.latency"], fig["intra_node.bandwidth"]),
+        inter=Level(fig["inter_node.latency"], fig["inter_node.bandwidth"]) if has_inter else None,
+        nic_bandwidth=fig.get("inter_node.nic_bandwidth"),
+        switch_nodes=fig.get("switch.nodes_per_switch"),
+        oversubscription=fig.get("switch.oversubscription") or 1.0,
+        matmul_flops=fig["compute.matmul"],
+        memory_bandwidth=fig["compute.memory"],
+        device_flops=fig["compute.device"],
+        reduce_bandwidth=fig["compute.reduce"],
+        mpi=mpi,
+        unmeasured=tuple(unmeasured),
+        calibration=calibration,
+    )
+
+
+def apply_override(data: dict, text: str, path: str) -> list[str]:
+    """Apply one "dotted.key=value" to the raw mapping; return the key and the sections it
+    created (errors inside them name the override). The value is read as YAML ('25 Gb/s'
+    stays text, 4 is a number, [..] a list); null or empty removes the key."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or not all(parts):
+        raise MachineError(
+            f"{path}: --machine-set {text}: expected KEY=VALUE, e.g. 'inter_node.bandwidth=25 Gb/s'"
+        )
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value.strip()
+    node, keys = data, [key]
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+            keys.append(".".join(parts[: i + 1]))
+        elif not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise MachineError(f"{path}: --machine-set {key}: {where} is not a mapping")
+        node = child
+    if parsed is None:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = parsed
+    return keys
+
+
+def read(path: str) -> object:
+    """The parsed YAML of a machine file (MachineError if unreadable or not YAML)."""
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise MachineError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise MachineError(f"{path}: {where}not valid YAML: {problem}") from None
+
+
+def load(path: str, overrides: Sequence[str] = (), ranks_per_node: int | None = None) -> Machine:
+    """Read, override (--machine-set KEY=VALUE, --ranks-per-node) and validate a file."""
+    data = read(path)
+    if not isinstance(data, dict):
+        return from_mapping(data, path)  # raises: not a mapping
+    keys = [k for text in overrides for k in apply_override(data, text, path)]
+    rpn_key = None
+    if ranks_per_node is not None:
+        nodes = data.setdefault("nodes", {})
+        if not isinstance(nodes, dict):
+            raise MachineError(f"{path}: nodes: expected a mapping, got {nodes!r}")
+        nodes["ranks_per_node"] = ranks_per_node
+        rpn_key = "nodes.ranks_per_node"
+    return from_mapping(data, path, keys, rpn_key)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def to_mapping(m: Machine) -> dict:
+    """The YAML mapping of a Machine, figures as text with units (load reads it back)."""
+    q = format_quantity
+    out: dict = {"name": m.name}
+    out["nodes"] = {"ranks_per_node": m.ranks_per_node, "cores_per_node": m.cores_per_node}
+    out["intra_node"] = {
+        "latency": q(m.intra.latency, "time"),
+        "bandwidth": q(m.intra.bandwidth, "bandwidth"),
+    }
+    if m.inter is not None:
+        out["inter_node"] = {
+            "latency": q(m.inter.latency, "time"),
+            "bandwidth": q(m.inter.bandwidth, "bandwidth"),
+        }
+        if m.nic_bandwidth is not None:
+            out["inter_node"]["nic_bandwidth"] = q(m.nic_bandwidth, "bandwidth")
+    if m.switch_nodes is not None:
+        out["switch"] = {
+            "nodes_per_switch": m.switch_nodes,
+            "oversubscription": float(m.oversubscription),
+        }
+    compute = {
+        "matmul": (m.matmul_flops, "rate"),
+        "memory": (m.memory_bandwidth, "bandwidth"),
+        "device": (m.device_flops, "rate"),
+        "reduce": (m.reduce_bandwidth, "bandwidth"),
+    }
+    out["compute"] = {k: q(v, kind) for k, (v, kind) in compute.items() if v is not None}
+    if m.mpi:
+        out["mpi"] = {
+            kind: [["any" if s == ANY else q(s, "count"), alg] for s, alg in rows]
+            for kind, rows in m.mpi.items()
+        }
+    if m.unmeasured:
+        out["unmeasured"] = list(m.unmeasured)
+    if m.calibration:
+        out["calibration"] = _plain(m.calibration)
+    return out
+
+
+def _plain(obj: object) -> object:
+    """Tuples -> lists, NumPy scalars -> Python numbers: what yaml.safe_dump accepts."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        return obj.item()
+    return obj
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, str):
+        plain = yaml.safe_dump(value, default_flow_style=True).split("\n")[0]
+        return plain if plain == value else json.dumps(value)
+    if isinstance(value, list):  # mpi rows and unmeasured: one line each
+        return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    return str(value)
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    lines: list[str] = []
+    for para in text.splitlines():
+        lines += textwrap.wrap(para, 96 - len(indent), break_on_hyphens=False) or [""]
+    return [f"{indent}# {line}".rstrip() for line in lines]
+
+
+def dumps(m: Machine, comments: dict[str, str] | None = None) -> str:
+    """The file's text; comments[dotted key] goes above that key ("" heads the file)."""
+    comments = comments or {}
+    lines = _comment(comments[""], "") if comments.get("") else []
+    for top, value in to_mapping(m).items():
+        lines += _comment(comments[top], "") if top in comments else []
+        if top == "calibration":
+            body = yaml.safe_dump(value, default_flow_style=None, sort_keys=False, width=96)
+            lines += ["calibration:", *("  " + line for line in body.rstrip().splitlines())]
+        elif isinstance(value, dict):
+            lines.append(f"{top}:")
+            for k, v in value.items():
+                key = f"{top}.{k}"
+                lines += _comment(comments[key], "  ") if key in comments else []
+                lines.append(f"  {k}: {_scalar(v)}")
+        else:
+            lines.append(f"{top}: {_scalar(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def dump(m: Machine, path: str, comments: dict[str, str] | None = None) -> None:
+    """Write `m` as a machine file, atomically (a reader never sees half a file)."""
+    text = dumps(m, comments)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
