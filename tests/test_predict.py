@@ -171,7 +171,7 @@ def test_gpt2_dry_run_predicts_the_seed_layout(tmp_path):
 
 def test_bad_machine_file_exits_2(tmp_path):
     bad = tmp_path / "m.yaml"
-    bad.write_text(open(TEN_GBE).read().replace("10 Gb/s", "-10 Gb/s", 1))
+    bad.write_text(open(TEN_GBE).read().replace("bandwidth: 9.41 Gb/s", "bandwidth: -9.41 Gb/s", 1))
     r = run_cmd(
         [sys.executable, "-m", "proxies.gpt2", "4", "2", "--dry-run", "--world-size", "4",
          "--machine", str(bad)]

@@ -189,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     b = topo.node_of.index(pairs[0], a + 1)
     say(f"  intra-node ping-pong, ranks {a} and {b} ...", flush=True)
     intra, calibration["intra_node"] = p2p(comm, MPI, idle, a, b, quick)
+    node_bw = None
+    size = (1 if quick else 16) << 20
+    say(f"  every rank of node 0 exchanging {size >> 20} MiB at once ...", flush=True)
+    node_bw, flows, seconds = measure.node_exchange(
+        comm, MPI, idle, topo.node_of, size, 2 if quick else 5
+    )
+    calibration["node"] = {
+        "flows": flows,
+        "bytes_each": size,
+        "seconds": sig(seconds),
+        "bandwidth": sig(node_bw),
+    }
     inter, nic = None, None
     if nodes >= 2:
         a, b = first[0], first[1]
@@ -258,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         mpi={},
         unmeasured=tuple(unmeasured),
         calibration=calibration,
+        node_bandwidth=sig(node_bw),
     )
     error = None
     if r == 0:

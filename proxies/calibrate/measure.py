@@ -106,6 +106,32 @@ def incast(
     return len(senders) * size / seconds, len(senders), seconds
 
 
+def node_exchange(
+    comm, MPI, barrier: Callable[[], None], node_of: Sequence[int], size: int, reps: int
+) -> tuple[float, int, float]:
+    """Every rank of node 0 at once: pairs (0,1), (2,3) ... exchange `size` bytes both ways
+    (Sendrecv). (bytes/s the node moved in all, flows, median seconds): what all of a
+    node's intra-node messages together can reach, when the cores copy them."""
+    mine = [q for q, n in enumerate(node_of) if n == 0]
+    pairs = len(mine) // 2
+    paired = mine[: 2 * pairs]
+    out = np.ones(size, dtype=np.uint8)
+    into = np.empty(size, dtype=np.uint8)
+    times = []
+    for rep in range(1 + reps):
+        barrier()
+        t0 = MPI.Wtime()
+        if comm.rank in paired:
+            i = paired.index(comm.rank)
+            peer = paired[i ^ 1]
+            comm.Sendrecv(out, dest=peer, sendtag=TAG + 2, recvbuf=into, source=peer, recvtag=TAG + 2)
+        took = comm.allreduce(MPI.Wtime() - t0 if comm.rank in paired else 0.0, op=MPI.MAX)
+        if rep:
+            times.append(took)
+    seconds = statistics.median(times)
+    return 2 * pairs * size / seconds, 2 * pairs, seconds
+
+
 def kernel_rate(
     comm, MPI, barrier: Callable[[], None], fn: Callable[[], object], work: float, reps: int
 ) -> list[float]:

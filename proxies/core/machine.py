@@ -64,6 +64,9 @@ class Machine:
     mpi: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     unmeasured: tuple[str, ...] = ()  # figures calibrate could not measure
     calibration: dict = field(default_factory=dict)  # what calibrate measured (fits, residuals)
+    # bytes/s all of a node's intra-node flows together can reach (CPU nodes: what the
+    # cores can copy at once); None: no such limit (a non-blocking switch such as NVSwitch)
+    node_bandwidth: float | None = None
 
     def node_of(self, rank: int) -> int:
         """The node of `rank` under the default placement (consecutive blocks)."""
@@ -81,13 +84,13 @@ MPI_ALGORITHMS: tuple[str, ...] = tuple(
 # section -> {key: kind}; kind is a units kind, "int" (positive integer) or "ratio" (>= 1)
 SECTIONS: dict[str, dict[str, str]] = {
     "nodes": {"ranks_per_node": "int", "cores_per_node": "int"},
-    "intra_node": {"latency": "time", "bandwidth": "bandwidth"},
+    "intra_node": {"latency": "time", "bandwidth": "bandwidth", "node_bandwidth": "bandwidth"},
     "inter_node": {"latency": "time", "bandwidth": "bandwidth", "nic_bandwidth": "bandwidth"},
     "switch": {"nodes_per_switch": "int", "oversubscription": "ratio"},
     "compute": {"matmul": "rate", "memory": "bandwidth", "device": "rate", "reduce": "bandwidth"},
 }
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
-OPTIONAL = {"switch.oversubscription", "compute.matmul", "compute.memory", "compute.device"}
+OPTIONAL = {"intra_node.node_bandwidth", "switch.oversubscription", "compute.matmul", "compute.memory", "compute.device"}
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
 
@@ -253,6 +256,7 @@ def from_mapping(
         mpi=mpi,
         unmeasured=tuple(unmeasured),
         calibration=calibration,
+        node_bandwidth=fig.get("intra_node.node_bandwidth"),
     )
 
 
@@ -330,6 +334,8 @@ def to_mapping(m: Machine) -> dict:
         "latency": q(m.intra.latency, "time"),
         "bandwidth": q(m.intra.bandwidth, "bandwidth"),
     }
+    if m.node_bandwidth is not None:
+        out["intra_node"]["node_bandwidth"] = q(m.node_bandwidth, "bandwidth")
     if m.inter is not None:
         out["inter_node"] = {
             "latency": q(m.inter.latency, "time"),

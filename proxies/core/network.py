@@ -3,6 +3,8 @@
 Links (each one direction, each with a capacity in bytes/s):
 - every rank's port into the node's fabric, out and in (intra_node.bandwidth): shared by
   that rank's flows to and from the other ranks of its node;
+- optionally the node's fabric as a whole (intra_node.node_bandwidth): on a CPU node the
+  cores copy every intra-node message, so all of them together go no faster than that;
 - every node's network interface, out and in (inter_node.nic_bandwidth): shared by all the
   node's flows to other nodes;
 - with a switch level, every leaf switch's uplink and downlink
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 # Link ids: small tuples, hashable and readable in a diagnosis.
 PORT_OUT, PORT_IN, NIC_OUT, NIC_IN, UP, DOWN = "port_out", "port_in", "nic_out", "nic_in", "up", "down"
+BUS = "bus"  # a node's intra-node fabric as a whole (intra_node.node_bandwidth)
 
 
 class Topology:
@@ -42,6 +45,9 @@ class Topology:
             PORT_OUT: machine.intra.bandwidth,
             PORT_IN: machine.intra.bandwidth,
         }
+        self.bus = machine.node_bandwidth
+        if self.bus:
+            self._cap[BUS] = self.bus
         if machine.inter is not None:
             nic = machine.nic_bandwidth or machine.inter.bandwidth
             self._cap[NIC_OUT] = self._cap[NIC_IN] = nic
@@ -82,6 +88,8 @@ class Topology:
         """The shared links a flow from rank a to rank b crosses."""
         na, nb = a // self.rpn, b // self.rpn
         if na == nb:
+            if self.bus:
+                return ((PORT_OUT, a), (BUS, na), (PORT_IN, b))
             return ((PORT_OUT, a), (PORT_IN, b))
         self._inter()
         s = self.switch_nodes

@@ -377,11 +377,15 @@ class _Predictor:
     # --- folding weights ----------------------------------------------------------------
 
     def _weights(self, a: int, b: int, members) -> dict:
-        """Images sharing each network link of a flow a -> b (none unfolded, none within a
-        node: every rank has its own port)."""
-        if self.rep_of is None or self.topo.same_node(a, b):
+        """Images sharing each shared link of a flow a -> b (none unfolded; none on the
+        ports within a node, every rank has its own)."""
+        if self.rep_of is None:
             return {}
         links = self.topo.links(a, b)
+        if self.topo.same_node(a, b):
+            if len(links) == 3:  # the node's fabric as a whole
+                return {links[1]: self._images_on(a, 1, members)}
+            return {}
         w = self._images_on(a, 1, members)
         out = dict.fromkeys(links, w)
         if len(links) == 4:  # up and down through the switches
