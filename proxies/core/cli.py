@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
-ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "dbtree", "hier", "naive")  # proxies.collectives
+ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "rd", "dbtree", "hier", "naive")  # proxies.collectives
 # --dtype / --grad-dtype names -> the dtype names plans carry (see core/wire.py).
 WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
