@@ -26,7 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from proxies.collectives import alltoall, dbtree, hier, naive, rd, rhd, ring, tree
+from proxies.collectives.coarse import Phase, coarse
 from proxies.collectives.program import ADD, COPY, RECV, SEND, WAIT, Program
+
+__all__ = ["KINDS", "PROGRAMS", "Phase", "algorithms", "coarse", "program", "trace"]
 
 # (kind, alg) -> fn(n, r, count, itemsize, nodes) -> Program. The wrappers pass each
 # builder only what it depends on, so its lru_cache keys stay small.
