@@ -42,7 +42,9 @@ PROGRAMS: dict[tuple[str, str], Callable[..., Program]] = {
     ("allreduce", "dbtree"): lambda n, r, c, i, nodes: dbtree.allreduce(
         n, r, c, i, dbtree.OVERHEAD_BYTES
     ),
-    ("allreduce", "hier"): lambda n, r, c, i, nodes: hier.allreduce(n, r, c, nodes),
+    ("allreduce", "hier"): lambda n, r, c, i, nodes: hier.allreduce(
+        n, r, c, tuple(nodes) if nodes else (0,) * n
+    ),
     ("reduce_scatter", "ring"): lambda n, r, c, i, nodes: ring.reduce_scatter(n, r, c),
     ("reduce_scatter", "rh"): lambda n, r, c, i, nodes: rhd.reduce_scatter(n, r, c),
     ("allgather", "ring"): lambda n, r, c, i, nodes: ring.allgather(n, r, c),
@@ -79,7 +81,7 @@ def program(
         )
     if n < 1 or not 0 <= r < n or count < 0 or itemsize < 1:
         raise ValueError(f"{kind} {alg}: no program for n={n} r={r} count={count}")
-    return PROGRAMS[kind, alg](n, r, count, itemsize, tuple(nodes) if nodes else (0,) * n)
+    return PROGRAMS[kind, alg](n, r, count, itemsize, nodes)
 
 
 def trace(
