@@ -8,6 +8,9 @@ Two checks per result:
 - order: bit for bit equal to the summation order the algorithm's docstring states,
   replayed here with NumPy in the same dtype (every algorithm but mpi), and identical
   bytes on every rank.
+
+Also the programs of what MPI runs (alltoall pairwise, bcast and reduce binomial), executed
+and compared with NumPy, and hier's program on nodes that are not contiguous rank ranges.
 """
 
 import sys
@@ -16,12 +19,23 @@ import zlib
 
 import numpy as np
 
-from proxies.collectives import ALGORITHMS, allgather, allreduce, bounds, dbtree, reduce_scatter
+from proxies.collectives import (
+    ALGORITHMS,
+    allgather,
+    allreduce,
+    bounds,
+    dbtree,
+    reduce_scatter,
+    run,
+    steps,
+)
+from proxies.collectives.program import execute
 from proxies.core import mpi
 from proxies.core.engine import Waiter
 
 MPI = mpi.init()
 comm = MPI.COMM_WORLD
+Waitall = MPI.Request.Waitall
 n, r = comm.size, comm.rank
 WAITS = sys.argv[1].split(",")  # "mpi" (default Waitall) and/or "yield" (Waiter)
 
@@ -70,6 +84,17 @@ def rhd_order(X):
     return y[0].copy()
 
 
+def rd_order(X):
+    p = 1 << (len(X).bit_length() - 1)
+    rem = len(X) - p
+    y = [X[2 * v] + X[2 * v + 1] if v < rem else X[v + rem] for v in range(p)]
+    m = 1
+    while m < p:
+        y = [y[v] + y[v ^ m] for v in range(p)]
+        m *= 2
+    return y[0].copy()
+
+
 def dbtree_order(X):
     out, half = np.empty_like(X[0]), bounds(X[0].size, 2)
     for t in (0, 1):
@@ -92,11 +117,20 @@ def hier_order(X, rpn):
     return ring_order([tree_order(node) for node in nodes])
 
 
+def labels_order(X, labels):
+    """hier over any node labels: each node's members in rank order, nodes by lowest rank."""
+    members = {}
+    for i, k in enumerate(labels):
+        members.setdefault(k, []).append(X[i])
+    return ring_order([tree_order(m) for m in members.values()])
+
+
 ORDERS = {
     "naive": naive_order,
     "tree": tree_order,
     "ring": ring_order,
     "rhd": rhd_order,
+    "rd": rd_order,
     "dbtree": dbtree_order,
 }
 
@@ -142,8 +176,9 @@ def run_reduce_scatter(alg, count, dtype, wait):
     s = slice(off[r], off[r + 1])
     what = f"reduce_scatter {alg} n={n} count={count}"
     check_value(what, buf[s], [x[s] for x in X])
-    if alg == "ring":
-        assert np.array_equal(buf[s], ring_order(X)[s]), f"{what}: not in the documented order"
+    if alg != "mpi":
+        want = (ring_order if alg == "ring" else rhd_order)(X)[s]
+        assert np.array_equal(buf[s], want), f"{what}: not in the documented order"
 
 
 def run_allgather(alg, count, dtype, wait):
@@ -154,6 +189,32 @@ def run_allgather(alg, count, dtype, wait):
     allgather(comm, buf, alg, wait=wait)
     want = np.concatenate([X[i][off[i] : off[i + 1]] for i in range(n)])
     assert np.array_equal(buf, want), f"allgather {alg} n={n} count={count}"
+
+
+def run_hier_labels(count, labels):
+    """hier's program on nodes that are not contiguous ranges (execute, not the MPI split)."""
+    X = inputs(count, np.float32, 4)
+    buf = X[r].copy()
+    execute(comm, buf, steps.program("allreduce", "hier", n, r, count, 4, labels), Waitall)
+    what = f"hier n={n} count={count} nodes={labels}"
+    check_value(what, buf, X)
+    assert np.array_equal(buf, labels_order(X, labels)), f"{what}: not in the documented order"
+
+
+def run_mpich_kinds(count, wait):
+    """The programs of what MPI runs, executed: alltoall, bcast and reduce against NumPy."""
+    X = inputs(count * n, np.float32, 5)
+    buf = X[r].copy()
+    run("alltoall", "pairwise", comm, buf, wait)
+    want = np.concatenate([X[j][r * count : (r + 1) * count] for j in range(n)])
+    assert np.array_equal(buf, want), f"alltoall pairwise n={n} count={count}"
+    buf = X[r].copy()
+    run("bcast", "binomial", comm, buf, wait)
+    assert np.array_equal(buf, X[0]), f"bcast binomial n={n}"
+    buf = X[r].copy()
+    run("reduce", "binomial", comm, buf, wait)
+    if r == 0:
+        assert np.array_equal(buf, tree_order(X)), f"reduce binomial n={n}"
 
 
 t0 = time.time()
@@ -167,14 +228,21 @@ for name in WAITS:
                 run_allreduce(alg, count, dtype, wait)
             for rpn in (2, 3):
                 run_allreduce("hier", count, dtype, wait, rpn)
-            for alg in ("ring", "mpi"):
+            for alg in ("ring", "rh", "mpi"):
                 run_reduce_scatter(alg, count, dtype, wait)
+            for alg in ("ring", "rd", "mpi"):
                 run_allgather(alg, count, dtype, wait)
     # dbtree's pipeline: many chunks per half, so chunks stream through the trees
     saved, dbtree.OVERHEAD_BYTES = dbtree.OVERHEAD_BYTES, 4
     for count in (n + 1, 7 * n + 5, 1000 + n):
         run_allreduce("dbtree", count, np.float32, wait, salt=3)
     dbtree.OVERHEAD_BYTES = saved
+    for count in (0, 1, 3, 2 * n + 1):
+        run_mpich_kinds(count, wait)
+
+for labels in ([i % 2 for i in range(n)], [(i * 7) % 3 for i in range(n)], [5] * n):
+    for count in (1, n + 1, 7 * n + 5):
+        run_hier_labels(count, labels)
 
 # integers sum exactly in any order: every algorithm must equal NumPy exactly
 for alg in ALGORITHMS:

@@ -1,14 +1,28 @@
-"""Allreduce, reduce-scatter and allgather over point-to-point messages, in place, SUM.
+"""Collectives over point-to-point messages, in place, SUM, each algorithm described once.
 
-One module per algorithm, each with its steps and its summation order in the docstring:
+Every algorithm is a pure function giving rank r's *program* (program.py: post a send or a
+receive of an element range, wait for posted requests, add or copy a scratch range into
+the buffer) for a group of n ranks and `count` elements. One interpreter runs any program
+over mpi4py; the predictor reads the same programs (steps.trace) or their closed-form
+phases (steps.coarse). Tables keyed (kind, alg): steps.PROGRAMS, steps.algorithms(kind).
 
+    allreduce (ALGORITHMS, --allreduce):
     naive   rank 0 gathers, sums, sends back         (n-1) x count through rank 0
     tree    binomial reduce + broadcast (tree.py)    log2 n rounds of count
     ring    reduce-scatter + allgather (ring.py)     2(n-1) steps of count/n
     rhd     recursive halving + doubling (rhd.py)    2 log2 p steps, 2(p-1)/p x count
+    rd      recursive doubling (rd.py)               log2 p steps of count
     dbtree  two complementary binary trees           half each, pipelined in chunks
     hier    node reduce, leaders' ring, node bcast   ring's traffic across nodes only
     mpi     the library's MPI_Allreduce              whatever MPI picks
+
+    reduce_scatter: ring, rh (recursive halving, rhd.py), mpi
+    allgather:      ring, rd (recursive doubling, rd.py), mpi
+    alltoall pairwise (alltoall.py), bcast and reduce binomial (tree.py): what MPICH runs,
+                    for the predictor; runnable through `run`.
+
+(p: the largest power of two <= n; the others fold into it first.) Each module states its
+steps and its summation order.
 
 Conventions shared by all (common.py): `buf` is a C-contiguous NumPy array of `count`
 elements (any dtype MPI knows: float32, float64, int32, int64, ...), reduced in place.
@@ -28,8 +42,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from proxies.collectives import dbtree, hier, naive, rhd, ring, tree
+from proxies.collectives import hier, steps
 from proxies.collectives.common import Wait, bounds, flat, waitall, words
+from proxies.collectives.program import execute
 from proxies.core.wire import sum_op
 
 
@@ -44,13 +59,33 @@ def mpi_allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         wait([comm.Iallreduce(MPI.IN_PLACE, words(x), op=op)])
 
 
+def run(
+    kind: str,
+    alg: str,
+    comm,
+    buf: np.ndarray,
+    wait: Wait | None = None,
+    *,
+    ranks_per_node: int | None = None,
+) -> None:
+    """Run algorithm `alg` of collective `kind` (a key of steps.PROGRAMS) on buf in place.
+    ranks_per_node only matters to hier (default: MPI's shared-memory split)."""
+    x = flat(buf)
+    nodes = hier.nodes_of(comm, ranks_per_node) if alg == "hier" and comm.size > 1 else None
+    prog = steps.program(kind, alg, comm.size, comm.rank, x.size, x.itemsize, nodes)
+    execute(comm, x, prog, waitall(wait))
+
+
+def _ours(kind: str, alg: str) -> Callable[..., None]:
+    def fn(comm, buf: np.ndarray, wait: Wait | None = None, **kw) -> None:
+        run(kind, alg, comm, buf, wait, **kw)
+
+    fn.__name__ = f"{kind}_{alg}"
+    return fn
+
+
 ALGORITHMS: dict[str, Callable[..., None]] = {
-    "naive": naive.allreduce,
-    "tree": tree.allreduce,
-    "ring": ring.allreduce,
-    "rhd": rhd.allreduce,
-    "dbtree": dbtree.allreduce,
-    "hier": hier.allreduce,
+    **{alg: _ours("allreduce", alg) for alg in steps.algorithms("allreduce")},
     "mpi": mpi_allreduce,
 }
 
@@ -72,10 +107,10 @@ def allreduce(
     """Sum `buf` over `comm` in place with algorithm `alg` (a key of ALGORITHMS).
     ranks_per_node only matters to hier (default: MPI's shared-memory split)."""
     fn = _algorithm(ALGORITHMS, alg, "allreduce")
-    if alg == "hier":
-        fn(comm, buf, wait, ranks_per_node=ranks_per_node)
-    else:
+    if alg == "mpi":
         fn(comm, buf, wait)
+    else:
+        fn(comm, buf, wait, ranks_per_node=ranks_per_node)
 
 
 def _mpi_reduce_scatter(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
@@ -105,8 +140,14 @@ def _mpi_allgather(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         wait([comm.Iallgatherv(MPI.IN_PLACE, spec)])
 
 
-REDUCE_SCATTER = {"ring": ring.reduce_scatter, "mpi": _mpi_reduce_scatter}
-ALLGATHER = {"ring": ring.allgather, "mpi": _mpi_allgather}
+REDUCE_SCATTER = {
+    **{alg: _ours("reduce_scatter", alg) for alg in steps.algorithms("reduce_scatter")},
+    "mpi": _mpi_reduce_scatter,
+}
+ALLGATHER = {
+    **{alg: _ours("allgather", alg) for alg in steps.algorithms("allgather")},
+    "mpi": _mpi_allgather,
+}
 
 
 def reduce_scatter(comm, buf: np.ndarray, alg: str = "ring", *, wait: Wait | None = None) -> None:
@@ -119,4 +160,13 @@ def allgather(comm, buf: np.ndarray, alg: str = "ring", *, wait: Wait | None = N
     _algorithm(ALLGATHER, alg, "allgather")(comm, buf, wait)
 
 
-__all__ = ["ALGORITHMS", "allgather", "allreduce", "bounds", "reduce_scatter", "waitall"]
+__all__ = [
+    "ALGORITHMS",
+    "allgather",
+    "allreduce",
+    "bounds",
+    "reduce_scatter",
+    "run",
+    "steps",
+    "waitall",
+]

@@ -23,8 +23,9 @@ Schedule: half h (np.array_split into 2) goes over tree h in K chunks (chunk_cou
   reduce, chunk k = 0, 1, ..., both trees interleaved: receive chunk k from the children
       (chunk k + 1 already posted into a second slot), add, send it up (Isend: a rank does
       not wait for its parent, so chunks stream up the tree);
-  broadcast: every chunk's receive from the parent is posted up front; as each arrives
-      it goes to the children.
+  broadcast: every chunk's receive from the parent is posted up front (chunk by chunk,
+      both trees interleaved, the order the parent sends them); as each arrives it goes
+      to the children.
 Every wait is on a message whose sender never waits on this rank within the phase, so the
 schedule cannot deadlock; separate tags per tree and phase keep the streams apart.
 
@@ -36,10 +37,10 @@ the order (r - b/2, r + b/2); the root's partial is the result.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
-import numpy as np
-
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
+from proxies.collectives.common import TAG, bounds
+from proxies.collectives.program import EMPTY, Builder, Program, S
 
 # Pipeline: in K chunks a phase takes K + h - 1 steps over a tree of h hops, each step
 # costing chunk / bandwidth + o (o: the per-message overhead). For S bytes that is least
@@ -90,33 +91,39 @@ def trees(n: int, r: int) -> list[tuple[int, list[int]]]:
     return [btree(n, r), mirrored]
 
 
-def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    x, n, r = flat(buf), comm.size, comm.rank
-    if n == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
-    half = bounds(x.size, 2)
-    step = math.ceil(half[1] / chunk_count(n, half[1] * x.itemsize))  # half 0 is the larger
-    # chunks[t][k]: chunk k of half t (a view into x); tree t moves half t
-    chunks = [
-        [x[lo : min(lo + step, half[t + 1])] for lo in range(half[t], half[t + 1], step)]
+def chunking(n: int, count: int, itemsize: int) -> tuple[int, list[list[tuple[int, int]]]]:
+    """(step, chunks): chunks[t][k] = element range [lo, hi) of chunk k of half t; tree t
+    moves half t in chunks of `step` elements (the last one shorter)."""
+    half = bounds(count, 2)
+    step = math.ceil(half[1] / chunk_count(n, half[1] * itemsize))  # half 0 is the larger
+    return step, [
+        [(lo, min(lo + step, half[t + 1])) for lo in range(half[t], half[t + 1], step)]
         for t in (0, 1)
     ]
+
+
+@lru_cache(maxsize=4096)
+def allreduce(n: int, r: int, count: int, itemsize: int, overhead: int = OVERHEAD_BYTES) -> Program:
+    """`overhead` is OVERHEAD_BYTES at the call (part of the cache key: tests change it)."""
+    if n == 1 or count == 0:
+        return EMPTY
+    b = Builder()
+    step, chunks = chunking(n, count, itemsize)
     tree = trees(n, r)
     K = max(len(chunks[0]), len(chunks[1]))
-    tmp = scratch(2 * 2 * 2 * step, x.dtype).reshape(2, 2, 2, step)  # slot, tree, child
+
+    def slot(k: int, t: int, j: int) -> int:  # scratch[k % 2, t, child j]: step elements
+        return ((k % 2 * 2 + t) * 2 + j) * step
 
     # -- reduce up both trees, chunk by chunk
-    def post(k: int) -> list[list]:
-        return [
-            [
-                comm.Irecv(words(tmp[k % 2, t, j, : chunks[t][k].size]), c, TAG_UP + t)
-                for j, c in enumerate(tree[t][1])
-            ]
-            if k < len(chunks[t])
-            else []
-            for t in (0, 1)
-        ]
+    def post(k: int) -> list[list[int]]:
+        out: list[list[int]] = [[], []]
+        for t in (0, 1):
+            if k < len(chunks[t]):
+                size = chunks[t][k][1] - chunks[t][k][0]
+                for j, c in enumerate(tree[t][1]):
+                    out[t].append(b.recv(c, TAG_UP + t, slot(k, t, j), slot(k, t, j) + size, S))
+        return out
 
     sends, recvs = [], post(0)
     for k in range(K):
@@ -124,28 +131,28 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
         for t in (0, 1):
             if k >= len(chunks[t]):
                 continue
-            c = chunks[t][k]
-            wait(recvs[t])
+            lo, hi = chunks[t][k]
+            b.wait(*recvs[t])
             for j in range(len(tree[t][1])):
-                np.add(c, tmp[k % 2, t, j, : c.size], out=c)
+                b.add(lo, hi, slot(k, t, j))
             if tree[t][0] >= 0:
-                sends.append(comm.Isend(words(c), tree[t][0], TAG_UP + t))
+                sends.append(b.send(tree[t][0], TAG_UP + t, lo, hi))
         recvs = ahead
-    wait(sends)  # before the broadcast overwrites what they send
+    b.wait(*sends)  # before the broadcast overwrites what they send
 
     # -- broadcast down both trees: all receives posted, forwarded as they arrive
-    down = [
-        [comm.Irecv(words(c), tree[t][0], TAG_DOWN + t) for c in chunks[t]]
-        if tree[t][0] >= 0
-        else []
-        for t in (0, 1)
-    ]
+    down: list[list[int]] = [[], []]
+    for k in range(K):
+        for t in (0, 1):
+            if k < len(chunks[t]) and tree[t][0] >= 0:
+                down[t].append(b.recv(tree[t][0], TAG_DOWN + t, *chunks[t][k]))
     sends = []
     for k in range(K):
         for t in (0, 1):
             if k >= len(chunks[t]):
                 continue
             if down[t]:
-                wait([down[t][k]])
-            sends += [comm.Isend(words(chunks[t][k]), c, TAG_DOWN + t) for c in tree[t][1]]
-    wait(sends)
+                b.wait(down[t][k])
+            sends += [b.send(c, TAG_DOWN + t, *chunks[t][k]) for c in tree[t][1]]
+    b.wait(*sends)
+    return b.program()

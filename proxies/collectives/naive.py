@@ -9,26 +9,27 @@ Summation order (deterministic): rank order, ((x_0 + x_1) + x_2) + ... + x_{n-1}
 
 from __future__ import annotations
 
-import numpy as np
+from functools import lru_cache
 
-from proxies.collectives.common import TAG, Wait, flat, scratch, waitall, words
+from proxies.collectives.common import TAG
+from proxies.collectives.program import EMPTY, Builder, Program, S
 
 TAG_UP, TAG_DOWN = TAG + 20, TAG + 21
 
 
-def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    x, n, r = flat(buf), comm.size, comm.rank
-    if n == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
+@lru_cache(maxsize=4096)
+def allreduce(n: int, r: int, count: int) -> Program:
+    if n == 1 or count == 0:
+        return EMPTY
+    b = Builder()
     if r == 0:
-        # -- reduce: add the others' buffers in rank order
-        tmp = scratch(x.size, x.dtype)
+        # -- reduce: add the others' buffers in rank order, one scratch buffer
         for src in range(1, n):
-            wait([comm.Irecv(words(tmp), src, TAG_UP)])
-            np.add(x, tmp, out=x)
+            b.wait(b.recv(src, TAG_UP, 0, count, S))
+            b.add(0, count, 0)
         # -- broadcast: one send per rank
-        wait([comm.Isend(words(x), dst, TAG_DOWN) for dst in range(1, n)])
+        b.wait(*[b.send(dst, TAG_DOWN, 0, count) for dst in range(1, n)])
     else:
-        wait([comm.Isend(words(x), 0, TAG_UP)])
-        wait([comm.Irecv(words(x), 0, TAG_DOWN)])
+        b.wait(b.send(0, TAG_UP, 0, count))
+        b.wait(b.recv(0, TAG_DOWN, 0, count))
+    return b.program()

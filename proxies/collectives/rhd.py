@@ -23,56 +23,61 @@ p = 8, ((y_0 + y_4) + (y_2 + y_6)) + ((y_1 + y_5) + (y_3 + y_7)).
 
 from __future__ import annotations
 
-import numpy as np
+from functools import lru_cache
 
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
+from proxies.collectives.common import TAG, bounds
+from proxies.collectives.program import EMPTY, Builder, Program, S
 
 TAG_FOLD, TAG_RS, TAG_AG = TAG + 40, TAG + 41, TAG + 42
+TAG_RH_FOLD, TAG_RH = TAG + 43, TAG + 44  # reduce_scatter's recursive halving
 
 
-def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    x, n, r = flat(buf), comm.size, comm.rank
-    if n == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
+def fold(n: int) -> tuple[int, int]:
+    """(p, rem): the largest power of two p <= n, and the n - p ranks folded away."""
     p = 1 << (n.bit_length() - 1)
-    rem = n - p
-    tmp = scratch(x.size, x.dtype)
+    return p, n - p
+
+
+def virtual(r: int, rem: int) -> int:
+    """r's virtual rank among the p that remain after the fold (-1: folded away)."""
+    if r < 2 * rem:
+        return r // 2 if r % 2 else -1
+    return r - rem
+
+
+def rank_of(v: int, rem: int) -> int:
+    return 2 * v + 1 if v < rem else v + rem
+
+
+@lru_cache(maxsize=4096)
+def allreduce(n: int, r: int, count: int) -> Program:
+    if n == 1 or count == 0:
+        return EMPTY
+    b = Builder()
+    p, rem = fold(n)
 
     # -- fold the extra ranks into their odd neighbours
     if r < 2 * rem:
         if r % 2 == 0:
-            wait([comm.Isend(words(x), r + 1, TAG_FOLD)])
-            wait([comm.Irecv(words(x), r + 1, TAG_FOLD)])  # the result, after the unfold
-            return
-        wait([comm.Irecv(words(tmp), r - 1, TAG_FOLD)])
-        np.add(x, tmp, out=x)
-        v = r // 2
-    else:
-        v = r - rem
-
-    def rank_of(u: int) -> int:
-        return 2 * u + 1 if u < rem else u + rem
-
-    off = bounds(x.size, p)
-
-    def blocks(lo: int, hi: int) -> np.ndarray:
-        return x[off[lo] : off[hi]]
+            b.wait(b.send(r + 1, TAG_FOLD, 0, count))
+            b.wait(b.recv(r + 1, TAG_FOLD, 0, count))  # the result, after the unfold
+            return b.program()
+        b.wait(b.recv(r - 1, TAG_FOLD, 0, count, S))
+        b.add(0, count, 0)
+    v = virtual(r, rem)
+    off = bounds(count, p)
 
     # -- reduce-scatter by recursive halving: window [lo, hi) of blocks halves each step
     lo, hi, mask = 0, p, p >> 1
     while mask:
         mid = (lo + hi) // 2
         (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
-        keep, got = blocks(klo, khi), tmp[: off[khi] - off[klo]]
-        peer = rank_of(v ^ mask)
-        wait(
-            [
-                comm.Isend(words(blocks(slo, shi)), peer, TAG_RS),
-                comm.Irecv(words(got), peer, TAG_RS),
-            ]
+        peer = rank_of(v ^ mask, rem)
+        b.wait(
+            b.send(peer, TAG_RS, off[slo], off[shi]),
+            b.recv(peer, TAG_RS, 0, off[khi] - off[klo], S),
         )
-        np.add(keep, got, out=keep)
+        b.add(off[klo], off[khi], 0)
         lo, hi, mask = klo, khi, mask >> 1
 
     # -- allgather by recursive doubling: the partner's window is our window's sibling
@@ -80,15 +85,61 @@ def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
     while mask < p:
         size = hi - lo
         olo, ohi = (lo - size, lo) if v & mask else (hi, hi + size)
-        peer = rank_of(v ^ mask)
-        wait(
-            [
-                comm.Isend(words(blocks(lo, hi)), peer, TAG_AG),
-                comm.Irecv(words(blocks(olo, ohi)), peer, TAG_AG),
-            ]
+        peer = rank_of(v ^ mask, rem)
+        b.wait(
+            b.send(peer, TAG_AG, off[lo], off[hi]),
+            b.recv(peer, TAG_AG, off[olo], off[ohi]),
         )
         lo, hi, mask = min(lo, olo), max(hi, ohi), mask << 1
 
     # -- unfold: give the folded neighbour its result
     if r < 2 * rem:
-        wait([comm.Isend(words(x), r - 1, TAG_FOLD)])
+        b.wait(b.send(r - 1, TAG_FOLD, 0, count))
+    return b.program()
+
+
+def virtual_blocks(n: int, count: int) -> list[int]:
+    """Element offsets of the p virtual ranks' shares of n blocks (bounds(count, n)):
+    virtual rank v < rem holds blocks 2v and 2v+1 (its folded pair's), the others block
+    v + rem; so virtual v's share is [voff[v], voff[v+1]), contiguous and in order."""
+    p, rem = fold(n)
+    off = bounds(count, n)
+    return [off[2 * v if v < rem else v + rem] for v in range(p)] + [count]
+
+
+@lru_cache(maxsize=4096)
+def reduce_scatter(n: int, r: int, count: int) -> Program:
+    """Recursive halving (MPICH's reduce_scatter for commutative ops below 512 KiB): rank
+    r ends with the sum of block r of bounds(count, n) at its own position.
+
+    fold: even r < 2 rem send the whole buffer to r + 1, which adds it; halving over the
+    p virtual ranks, each keeping the half of its window of virtual shares that holds its
+    own (virtual_blocks); unfold: odd r < 2 rem send block r - 1 to r - 1. Summation
+    order: rhd's (fold pairs, then the butterfly, highest bit first)."""
+    if n == 1 or count == 0:
+        return EMPTY
+    b = Builder()
+    p, rem = fold(n)
+    off = bounds(count, n)
+    if r < 2 * rem:
+        if r % 2 == 0:
+            b.wait(b.send(r + 1, TAG_RH_FOLD, 0, count))
+            b.wait(b.recv(r + 1, TAG_RH_FOLD, off[r], off[r + 1]))
+            return b.program()
+        b.wait(b.recv(r - 1, TAG_RH_FOLD, 0, count, S))
+        b.add(0, count, 0)
+    v, voff = virtual(r, rem), virtual_blocks(n, count)
+    lo, hi, mask = 0, p, p >> 1
+    while mask:
+        mid = (lo + hi) // 2
+        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
+        peer = rank_of(v ^ mask, rem)
+        b.wait(
+            b.send(peer, TAG_RH, voff[slo], voff[shi]),
+            b.recv(peer, TAG_RH, 0, voff[khi] - voff[klo], S),
+        )
+        b.add(voff[klo], voff[khi], 0)
+        lo, hi, mask = klo, khi, mask >> 1
+    if r < 2 * rem:
+        b.wait(b.send(r - 1, TAG_RH_FOLD, off[r - 1], off[r]))
+    return b.program()

@@ -18,56 +18,70 @@ Allreduce sums in another order, so the two agree to rounding, not bit for bit.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
+from functools import lru_cache
 
-from proxies.collectives.common import TAG, Wait, bounds, flat, scratch, waitall, words
+from proxies.collectives.common import TAG, bounds
+from proxies.collectives.program import EMPTY, Builder, Program, S
 
 TAG_RS, TAG_AG = TAG + 10, TAG + 11
 
 
-def reduce_scatter(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    """Leave the sum of block comm.rank at its own position in buf (other blocks: partial)."""
-    x, n, r = flat(buf), comm.size, comm.rank
-    if n == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
-    off = bounds(x.size, n)
-
-    def block(i: int) -> np.ndarray:
-        return x[off[i % n] : off[i % n + 1]]
-
-    tmp = scratch(off[1], x.dtype)  # block 0 is a largest block
-    right, left = (r + 1) % n, (r - 1) % n
-    # -- reduce-scatter: the partial sum of a block travels right, each rank adding its own
+def reduce_scatter_steps(b: Builder, peers: Sequence[int], i: int, count: int) -> None:
+    """Member i of the ring `peers` ends with the sum of block i at its own position."""
+    n = len(peers)
+    off = bounds(count, n)
+    right, left = peers[(i + 1) % n], peers[(i - 1) % n]
+    # -- the partial sum of a block travels right, each rank adding its own
     for s in range(n - 1):
-        out, mine = block(r - s - 1), block(r - s - 2)
-        got = tmp[: mine.size]
-        wait([comm.Isend(words(out), right, TAG_RS), comm.Irecv(words(got), left, TAG_RS)])
-        np.add(mine, got, out=mine)
+        out, mine = (i - s - 1) % n, (i - s - 2) % n
+        lo, hi = off[mine], off[mine + 1]
+        b.wait(
+            b.send(right, TAG_RS, off[out], off[out + 1]),
+            b.recv(left, TAG_RS, 0, hi - lo, S),
+        )
+        b.add(lo, hi, 0)
 
 
-def allgather(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    """Every rank contributes block comm.rank of buf; afterwards all blocks are filled."""
-    x, n, r = flat(buf), comm.size, comm.rank
-    if n == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
-    off = bounds(x.size, n)
-
-    def block(i: int) -> np.ndarray:
-        return x[off[i % n] : off[i % n + 1]]
-
-    right, left = (r + 1) % n, (r - 1) % n
-    # -- allgather: finished blocks travel right, received straight into place
+def allgather_steps(b: Builder, peers: Sequence[int], i: int, count: int) -> None:
+    """Member i contributes block i; afterwards every block is filled."""
+    n = len(peers)
+    off = bounds(count, n)
+    right, left = peers[(i + 1) % n], peers[(i - 1) % n]
+    # -- finished blocks travel right, received straight into place
     for s in range(n - 1):
-        wait(
-            [
-                comm.Isend(words(block(r - s)), right, TAG_AG),
-                comm.Irecv(words(block(r - s - 1)), left, TAG_AG),
-            ]
+        out, got = (i - s) % n, (i - s - 1) % n
+        b.wait(
+            b.send(right, TAG_AG, off[out], off[out + 1]),
+            b.recv(left, TAG_AG, off[got], off[got + 1]),
         )
 
 
-def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    reduce_scatter(comm, buf, wait)
-    allgather(comm, buf, wait)
+def allreduce_steps(b: Builder, peers: Sequence[int], i: int, count: int) -> None:
+    reduce_scatter_steps(b, peers, i, count)
+    allgather_steps(b, peers, i, count)
+
+
+def _program(steps, n: int, r: int, count: int) -> Program:
+    if n == 1 or count == 0:
+        return EMPTY
+    b = Builder()
+    steps(b, range(n), r, count)
+    return b.program()
+
+
+@lru_cache(maxsize=4096)
+def reduce_scatter(n: int, r: int, count: int) -> Program:
+    """Leave the sum of block r at its own position (other blocks: partial sums)."""
+    return _program(reduce_scatter_steps, n, r, count)
+
+
+@lru_cache(maxsize=4096)
+def allgather(n: int, r: int, count: int) -> Program:
+    """Every rank contributes block r of the buffer; afterwards all blocks are filled."""
+    return _program(allgather_steps, n, r, count)
+
+
+@lru_cache(maxsize=4096)
+def allreduce(n: int, r: int, count: int) -> Program:
+    return _program(allreduce_steps, n, r, count)

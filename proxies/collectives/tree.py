@@ -15,52 +15,72 @@ ranks [r, r + 2m) is (sum over [r, r + m)) + (sum over [r + m, r + 2m)), so for 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
+from functools import lru_cache
 
-from proxies.collectives.common import TAG, Wait, flat, scratch, waitall, words
+from proxies.collectives.common import TAG
+from proxies.collectives.program import EMPTY, Builder, Program, S
 
 TAG_UP, TAG_DOWN = TAG + 30, TAG + 31
 
 
-def reduce(comm, x: np.ndarray, wait: Wait) -> None:
-    """Sum of every rank's x into rank 0's x (others' x: partial sums)."""
-    n, r = comm.size, comm.rank
-    tmp = scratch(x.size, x.dtype) if n > 1 else None
-    mask = 1
+def reduce_steps(b: Builder, peers: Sequence[int], i: int, count: int) -> None:
+    """Member i of `peers` (group ranks; member 0 the root): the sum of every member's
+    buffer into member 0's (others': partial sums)."""
+    n, mask = len(peers), 1
     while mask < n:
-        if r & mask:
-            wait([comm.Isend(words(x), r - mask, TAG_UP)])
+        if i & mask:
+            b.wait(b.send(peers[i - mask], TAG_UP, 0, count))
             return
-        if r + mask < n:
-            wait([comm.Irecv(words(tmp), r + mask, TAG_UP)])
-            np.add(x, tmp, out=x)
+        if i + mask < n:
+            b.wait(b.recv(peers[i + mask], TAG_UP, 0, count, S))
+            b.add(0, count, 0)
         mask <<= 1
 
 
-def bcast(comm, x: np.ndarray, wait: Wait) -> None:
-    """Rank 0's x to every rank."""
-    n, r = comm.size, comm.rank
-    # -- receive from the parent: r minus r's lowest set bit (rank 0 receives nothing)
+def bcast_steps(b: Builder, peers: Sequence[int], i: int, count: int) -> None:
+    """Member 0's buffer to every member of `peers`."""
+    n = len(peers)
+    # -- receive from the parent: i minus i's lowest set bit (member 0 receives nothing)
     mask = 1
     while mask < n:
-        if r & mask:
-            wait([comm.Irecv(words(x), r - mask, TAG_DOWN)])
+        if i & mask:
+            b.wait(b.recv(peers[i - mask], TAG_DOWN, 0, count))
             break
         mask <<= 1
-    # -- send to the children: r + every lower power of two, largest subtree first
+    # -- send to the children: i + every lower power of two, largest subtree first
     mask >>= 1
-    reqs = []
+    sends = []
     while mask:
-        if r + mask < n:
-            reqs.append(comm.Isend(words(x), r + mask, TAG_DOWN))
+        if i + mask < n:
+            sends.append(b.send(peers[i + mask], TAG_DOWN, 0, count))
         mask >>= 1
-    wait(reqs)
+    b.wait(*sends)
 
 
-def allreduce(comm, buf: np.ndarray, wait: Wait | None = None) -> None:
-    x = flat(buf)
-    if comm.size == 1 or x.size == 0:
-        return
-    wait = waitall(wait)
-    reduce(comm, x, wait)
-    bcast(comm, x, wait)
+def _program(n: int, r: int, count: int, up: bool, down: bool) -> Program:
+    if n == 1 or count == 0:
+        return EMPTY
+    b, peers = Builder(), range(n)
+    if up:
+        reduce_steps(b, peers, r, count)
+    if down:
+        bcast_steps(b, peers, r, count)
+    return b.program()
+
+
+@lru_cache(maxsize=4096)
+def allreduce(n: int, r: int, count: int) -> Program:
+    return _program(n, r, count, True, True)
+
+
+@lru_cache(maxsize=4096)
+def reduce(n: int, r: int, count: int) -> Program:
+    """Binomial reduce to rank 0 (MPICH's MPI_Reduce for short messages)."""
+    return _program(n, r, count, True, False)
+
+
+@lru_cache(maxsize=4096)
+def bcast(n: int, r: int, count: int) -> Program:
+    """Binomial broadcast from rank 0 (MPICH's MPI_Bcast for short messages)."""
+    return _program(n, r, count, False, True)
