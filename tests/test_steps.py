@@ -210,8 +210,9 @@ def test_ring_and_hier_latency_is_the_slowest_edge():
     ring = steps.coarse("allreduce", "ring", n, 800, 4, alpha)
     assert len(ring) == 1 and ring[0].latency == 2 * (n - 1) * 10.0
     h = steps.coarse("allreduce", "hier", n, 800, 4, alpha, nodes)
-    assert [ph.latency for ph in h] == [2.0, 2 * 10.0, 2.0]  # node tree, 2 leaders, node tree
-    assert {(s, d) for s, d, _ in h[1].flows} == {(0, 4), (4, 0)}
+    # node tree (a phase per round), 2 leaders' ring, node tree (a phase per level)
+    assert [ph.latency for ph in h] == [1.0, 1.0, 2 * 10.0, 1.0, 1.0]
+    assert {(s, d) for s, d, _ in h[2].flows} == {(0, 4), (4, 0)}
 
 
 def test_bad_input():
@@ -236,6 +237,6 @@ def test_coarse_at_scale_is_cheap():
     ring = steps.coarse("allreduce", "ring", 4096, 1 << 24, 4, alpha)
     assert ring[0].latency == 2 * 4095 * 7.0 and len(ring[0].flows) == 4096
     hier = steps.coarse("allreduce", "hier", 4096, 1 << 24, 4, alpha, nodes)
-    assert [round(ph.latency) for ph in hier] == [3, 2 * 511 * 7, 3]
+    assert [round(ph.latency) for ph in hier] == [1, 1, 1, 2 * 511 * 7, 1, 1, 1]
     rhd = steps.coarse("allreduce", "rhd", 4096, 1 << 24, 4, uniform)
     assert sum(ph.latency for ph in rhd) == 2 * 12 * 3.0

@@ -85,29 +85,36 @@ class _Clocks:
 
 
 # -- building blocks, each advancing the clocks of the ranks it involves ------------------
-def _tree_reduce(c: _Clocks, peers: Sequence[int], count: int) -> None:
-    """tree.reduce_steps: round mask, member i + mask sends to i (i a multiple of 2 mask)."""
-    s, mask = len(peers), 1
-    while mask < s:
-        for i in range(0, s - mask, 2 * mask):
-            c.oneway(peers[i + mask], peers[i], count, True)
+def _tree_reduce(c: _Clocks, groups: Sequence[Sequence[int]], count: int) -> None:
+    """tree.reduce_steps in every group at once: round mask, member i + mask sends to i (i
+    a multiple of 2 mask). One phase per round: a round's messages wait for the last's."""
+    mask, size = 1, max(len(g) for g in groups)
+    while mask < size:
+        for peers in groups:
+            for i in range(0, len(peers) - mask, 2 * mask):
+                c.oneway(peers[i + mask], peers[i], count, True)
+        c.mark()
         mask <<= 1
 
 
-def _tree_bcast(c: _Clocks, peers: Sequence[int], count: int) -> None:
-    """tree.bcast_steps: member i receives from i minus its lowest set bit, then posts all
-    its sends at once and waits for them."""
-    t, s = c.t, len(peers)
-    got = [t[peers[0]]] + [0] * (s - 1)  # when each member has the data
-    done = got[:]
-    for i in range(1, s):
-        p = i & (i - 1)
-        got[i] = max(got[p], t[peers[i]]) + c.msg(peers[p], peers[i])
-        done[p] = max(done[p], got[i])  # the parent waits for this send
-        done[i] = max(done[i], got[i])
-        c.flow(peers[p], peers[i], count)
-    for i in range(s):
-        t[peers[i]] = done[i]
+def _tree_bcast(c: _Clocks, groups: Sequence[Sequence[int]], count: int) -> None:
+    """tree.bcast_steps in every group at once: member i receives from i minus its lowest
+    set bit, then posts all its sends at once and waits for them. A member's children all
+    have one more set bit than it: one phase per number of set bits (a level)."""
+    t = c.t
+    got = [{0: t[peers[0]]} for peers in groups]  # when each member has the data
+    depth = max(len(g) - 1 for g in groups).bit_length()
+    for level in range(1, depth + 1):
+        for peers, have in zip(groups, got, strict=True):
+            for i in range(1, len(peers)):
+                if i.bit_count() != level:
+                    continue
+                p = i & (i - 1)
+                have[i] = max(have[p], t[peers[i]]) + c.msg(peers[p], peers[i])
+                t[peers[p]] = max(t[peers[p]], have[i])  # the parent waits for this send
+                t[peers[i]] = max(t[peers[i]], have[i])
+                c.flow(peers[p], peers[i], count)
+        c.mark()
 
 
 def _ring(c: _Clocks, peers: Sequence[int], count: int, rs: bool, ag: bool) -> None:
@@ -157,6 +164,7 @@ def _halving(c: _Clocks, n: int, off: Sequence[int]) -> None:
             mid, hi = lo + mask, lo + 2 * mask
             lower, upper = off[mid] - off[lo], off[hi] - off[mid]
             c.exchange(rank_of(v, rem), rank_of(w, rem), upper, lower, True)
+        c.mark()  # a step waits for its partner: one phase per step
         mask >>= 1
 
 
@@ -182,6 +190,7 @@ def _doubling(c: _Clocks, n: int, off: Sequence[int], whole: bool) -> None:
                     off[b + mask] - off[b],
                     False,
                 )
+        c.mark()
         mask <<= 1
 
 
@@ -202,10 +211,8 @@ def _naive(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
 
 
 def _tree(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
-    _tree_reduce(c, range(n), count)
-    c.mark()
-    _tree_bcast(c, range(n), count)
-    c.mark()
+    _tree_reduce(c, [range(n)], count)
+    _tree_bcast(c, [range(n)], count)
 
 
 def _rhd(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
@@ -260,15 +267,11 @@ def _ring_phase(rs: bool, ag: bool):
 
 def _hier(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
     members, leaders = hier.layout(nodes)
-    for m in members:
-        _tree_reduce(c, m, count)
-    c.mark()
+    _tree_reduce(c, members, count)
     if len(leaders) > 1:
         _ring(c, leaders, count, True, True)
         c.mark()
-    for m in members:
-        _tree_bcast(c, m, count)
-    c.mark()
+    _tree_bcast(c, members, count)
 
 
 def _pairwise(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
@@ -284,13 +287,11 @@ def _pairwise(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
 
 
 def _bcast(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
-    _tree_bcast(c, range(n), count)
-    c.mark()
+    _tree_bcast(c, [range(n)], count)
 
 
 def _reduce(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
-    _tree_reduce(c, range(n), count)
-    c.mark()
+    _tree_reduce(c, [range(n)], count)
 
 
 def _dbtree(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
