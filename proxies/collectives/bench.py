@@ -134,6 +134,35 @@ def parser() -> cli.Parser:
         "cores (default)",
     )
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rank 0)")
+    g = p.add_argument_group("prediction (is my number normal?)")
+    g.add_argument(
+        "--machine",
+        metavar="FILE",
+        help="a machine model (configs/machines/*.yaml or calibrate's): adds the predicted "
+        "time and busbw of every row; --ranks-per-node places the ranks on its nodes",
+    )
+    g.add_argument(
+        "--machine-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --machine: change one figure, e.g. 'inter_node.bandwidth=25 Gb/s'",
+    )
+    g.add_argument(
+        "--predict",
+        choices=("auto", "steps", "coarse"),
+        default="auto",
+        help="with --machine: price every message (steps), aggregated phases (coarse), or "
+        "steps while small (auto)",
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --machine: predict only, without MPI, for --world-size ranks",
+    )
+    g.add_argument(
+        "--world-size", type=cli.positive_int, metavar="N", help="with --dry-run: ranks to predict"
+    )
     return p
 
 
@@ -251,9 +280,74 @@ def line(row: dict, mpi_busbw: float | None) -> str:
     )
 
 
+def load_machine(args):
+    """The machine of --machine (None without it); bad files and lone options: exit 2."""
+    if not args.machine:
+        for given, what in ((args.machine_set, "--machine-set"), (args.dry_run, "--dry-run")):
+            if given:
+                raise cli.UsageError(f"{what} goes with --machine FILE")
+        if args.world_size:
+            raise cli.UsageError("--world-size goes with --dry-run --machine FILE")
+        return None
+    from proxies.core import machine as machines
+
+    try:
+        return machines.load(args.machine, args.machine_set, args.ranks_per_node)
+    except machines.MachineError as e:
+        raise cli.UsageError(str(e)) from None
+
+
+def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
+    from proxies.core.prediction import collective_seconds
+
+    return collective_seconds(
+        machine, "allreduce", alg, n, count, dtype.name, args.ranks_per_node,
+        detail=args.predict,
+    )
+
+
+def dry_run(args, algs: list[str], machine) -> int:
+    """Rows predicted for --world-size ranks, without MPI."""
+    from proxies.core import report
+
+    n = args.world_size or cli.env_world_size() or 1
+    dtype = wire.numpy_dtype(args.dtype)
+    rpn = args.ranks_per_node or machine.ranks_per_node
+    if n > rpn and machine.inter is None:
+        raise cli.UsageError(
+            f"{args.machine}: {n} ranks at {rpn} per node need more than one node, but the "
+            f"machine has no inter_node level; give --ranks-per-node {n}"
+        )
+    print(
+        f"# {PROG}: allreduce on {n} ranks predicted on {machine.name} ({rpn} rank{"s" * (rpn > 1)} per node) "
+        f"· busbw = algbw x 2(n-1)/n = algbw x {2 * (n - 1) / n:.3f}\n"
+        f"# {'size':>10} {'count':>11} {'type':>8} {'algorithm':>9} {'time':>10} "
+        f"{'algbw':>7} {'busbw':>7}\n"
+        f"# {'(B)':>10} {'(elements)':>11} {'':>8} {'':>9} {'(us)':>10} {'(GB/s)':>7} "
+        f"{'(GB/s)':>7}   (predicted)",
+        flush=True,
+    )
+    rows = []
+    for size in sizes(args.minbytes, args.maxbytes, args.stepfactor):
+        count = size // dtype.itemsize
+        for alg in algs:
+            row = make_row(alg, count, dtype, n, predicted(machine, args, alg, count, dtype, n), None)
+            row["predicted"] = True
+            print(line(row, None)[: -8], flush=True)
+            rows.append(row)
+    if args.json:
+        report.write_json(args.json, rows)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     algs = resolve(args)
+    machine = load_machine(args)
+    if args.dry_run:
+        return dry_run(args, algs, machine)
+    if args.world_size:
+        raise cli.UsageError("--world-size only goes with --dry-run (a run has mpiexec's size)")
     from proxies.core import mpi, report
     from proxies.core.engine import Waiter
 
@@ -276,7 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     mpi.agree(comm, error, PROG)
 
     if r == 0:
-        print("\n".join(header(comm, MPI, args, wait)), flush=True)
+        head = header(comm, MPI, args, wait)
+        if machine is not None:
+            rpn = args.ranks_per_node or machine.ranks_per_node
+            head.insert(3, f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
+                        f"model's busbw, meas/pred = measured over predicted")
+            head[-2] += f" {'pred':>7} {'meas/':>6}"
+            head[-1] += f" {'(GB/s)':>7} {'pred':>6}"
+        print("\n".join(head), flush=True)
     rows: list[dict] = []
     for size in steps:
         count = size // dtype.itemsize
@@ -295,10 +396,17 @@ def main(argv: list[str] | None = None) -> int:
                 comm.Allreduce(mine, total, op=MPI.SUM)
                 bad = int(total[0])
             group.append(make_row(alg, count, dtype, n, seconds, bad))
+            if machine is not None and r == 0:
+                row, t = group[-1], predicted(machine, args, alg, count, dtype, n)
+                row["predicted_time_us"] = t * 1e6
+                row["predicted_busbw"] = size / t / 1e9 * 2 * (n - 1) / n if t > 0 else 0.0
         if r == 0:
             mpi_busbw = next((g["busbw"] for g in group if g["algorithm"] == "mpi"), None)
             for g in group:
-                print(line(g, mpi_busbw), flush=True)
+                extra = ""
+                if machine is not None:
+                    extra = f" {g['predicted_busbw']:>7.2f} {g['busbw'] / g['predicted_busbw']:>6.2f}"
+                print(line(g, mpi_busbw) + extra, flush=True)
         rows += group
 
     if r == 0:

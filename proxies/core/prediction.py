@@ -165,8 +165,12 @@ def print_comparison(measured: dict, predicted: dict, console) -> None:
     for col in ("category", "measured", "predicted", "error"):
         t.add_column(col, justify="left" if col == "category" else "right")
 
+    m_iter = statistics.fmean(measured["iter_time_s"])
+
     def row(name: str, m: float | None, p: float | None) -> None:
-        err = f"{100 * (p - m) / m:+.1f}%" if m and p is not None else "-"
+        # errors of categories under 1% of the iteration say nothing
+        big = m is not None and m >= 0.01 * m_iter
+        err = f"{100 * (p - m) / m:+.1f}%" if big and p is not None else "-"
         t.add_row(
             name,
             f"{m:.4f} s" if m is not None else "-",
@@ -174,7 +178,6 @@ def print_comparison(measured: dict, predicted: dict, console) -> None:
             err,
         )
 
-    m_iter = statistics.fmean(measured["iter_time_s"])
     row("iteration", m_iter, predicted["iter_time_s"][0])
     cats = report.ordered(set(measured["breakdown_s"]) | set(predicted["breakdown_s"]))
     for c in cats:
