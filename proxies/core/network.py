@@ -134,13 +134,20 @@ class Flows:
 
     def start(self, flow: Flow, t: float) -> None:
         """Flow starts at t (t never goes back: the caller runs events in time order)."""
+        self.start_many([flow], t)
+
+    def start_many(self, flows: list[Flow], t: float) -> None:
+        """Flows that start together (a collective phase): one rebalance for all."""
         self.now = t
-        flow.remaining, flow.since = float(flow.nbytes), t
-        self.count += 1
-        self.active.add(flow)
-        for link in flow.links:
-            self.on_link.setdefault(link, set()).add(flow)
-        self._rebalance(flow.links)
+        links = set()
+        for flow in flows:
+            flow.remaining, flow.since = float(flow.nbytes), t
+            self.count += 1
+            self.active.add(flow)
+            for link in flow.links:
+                self.on_link.setdefault(link, set()).add(flow)
+                links.add(link)
+        self._rebalance(links)
 
     def next_time(self) -> float:
         while self.heap:
@@ -151,18 +158,24 @@ class Flows:
         return math.inf
 
     def pop_done(self) -> None:
-        """Finish the flow at the top of the heap (call at next_time())."""
-        t, _, _, f = heapq.heappop(self.heap)
+        """Finish every flow due at next_time() (symmetric flows end together): one
+        rebalance, then their callbacks in the order they were due."""
+        t = self.next_time()
+        done, links = [], set()
+        while self.heap and self.next_time() <= t * (1 + 1e-12):
+            _, _, _, f = heapq.heappop(self.heap)
+            self.active.discard(f)
+            done.append(f)
+            for link in f.links:
+                flows = self.on_link[link]
+                flows.discard(f)
+                if not flows:
+                    del self.on_link[link]
+                links.add(link)
         self.now = t
-        self.active.discard(f)
-        links = f.links
-        for link in links:
-            flows = self.on_link[link]
-            flows.discard(f)
-            if not flows:
-                del self.on_link[link]
         self._rebalance(links)
-        f.done(t)
+        for f in done:
+            f.done(t)
 
     def _component(self, links) -> tuple[set[Flow], set[tuple]]:
         """Flows and links reachable from `links` through shared flows."""
@@ -201,33 +214,50 @@ class Flows:
 
 def fair_share(flows, links, capacity, on_link) -> dict[Flow, float]:
     """Max-min fair rates by progressive filling; a flow of weight w on a link takes w
-    shares there (w identical flows), and never exceeds its own cap."""
+    shares there (w identical flows), and never exceeds its own cap.
+
+    The tightest constraint is taken from a heap of link shares (entries refreshed lazily
+    as flows are fixed) and the flows sorted by cap: O((links + flows x path) log links)."""
     left = {lk: capacity(lk) for lk in links}
-    users = {lk: {f for f in on_link[lk] if f in flows} for lk in links}
-    load = {lk: sum(f.weight.get(lk, 1.0) for f in users[lk]) for lk in links}
+    load = dict.fromkeys(links, 0.0)
+    users: dict = {lk: [] for lk in links}
+    for f in flows:
+        for lk in f.links:
+            load[lk] += f.weight.get(lk, 1.0)
+            users[lk].append(f)
+    heap = [(left[lk] / n, i, lk) for i, (lk, n) in enumerate(load.items()) if n > 0]
+    heapq.heapify(heap)
+    by_cap = sorted(flows, key=lambda f: f.cap)
+    ci, seq = 0, len(heap)
     rates: dict[Flow, float] = {}
-    todo = set(flows)
-    while todo:
-        # the tightest constraint: a link's equal share, or a flow's own cap
-        best, link = math.inf, None
-        for lk, n in load.items():
-            if n > 0:
-                share = left[lk] / n
-                if share < best:
-                    best, link = share, lk
-        capped = [f for f in todo if f.cap <= best]
-        if capped:
-            fixed, rate_of = capped, {f: f.cap for f in capped}
-        else:
-            fixed = [f for f in users[link] if f in todo]
-            rate_of = dict.fromkeys(fixed, max(best, 0.0))
-        for f in fixed:
-            r = rate_of[f]
-            rates[f] = r
-            todo.discard(f)
-            for lk in f.links:
-                w = f.weight.get(lk, 1.0)
-                left[lk] = max(0.0, left[lk] - w * r)
-                load[lk] -= w
-                users[lk].discard(f)
+
+    def fix(f: Flow, r: float) -> None:
+        nonlocal seq
+        rates[f] = r
+        for lk in f.links:
+            w = f.weight.get(lk, 1.0)
+            left[lk] = max(0.0, left[lk] - w * r)
+            load[lk] -= w
+            if load[lk] > 1e-12:
+                seq += 1
+                heapq.heappush(heap, (left[lk] / load[lk], seq, lk))
+
+    while len(rates) < len(flows):
+        while ci < len(by_cap) and by_cap[ci] in rates:
+            ci += 1
+        # the tightest link, skipping entries made stale by fixed flows
+        while heap:
+            share, _, lk = heap[0]
+            if load[lk] > 1e-12 and abs(share - left[lk] / load[lk]) <= 1e-12 * max(share, 1e-30):
+                break
+            heapq.heappop(heap)
+        best = heap[0][0] if heap else math.inf
+        if ci < len(by_cap) and by_cap[ci].cap <= best:
+            fix(by_cap[ci], by_cap[ci].cap)
+            continue
+        _, _, lk = heapq.heappop(heap)
+        share = max(left[lk] / load[lk], 0.0)
+        for f in users[lk]:
+            if f not in rates:
+                fix(f, share)
     return rates

@@ -521,11 +521,13 @@ class _Predictor:
             if left[0] == 0:
                 self.at(end + tail, lambda: self._phase(inst, k + 1, end + tail))
 
-        for a, b, nbytes in flows:
-            flow = Flow(
-                topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members)
-            )
-            self.flows.start(flow, t)
+        self.flows.start_many(
+            [
+                Flow(topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members))
+                for a, b, nbytes in flows
+            ],
+            t,
+        )
 
 
 def _name(op: Op) -> str:
