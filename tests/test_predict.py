@@ -10,13 +10,10 @@ import sys
 from dataclasses import replace
 
 import pytest
+from test_network import GBIT, machine
 
 from proxies.core import prediction
 from proxies.core.machine import load
-from proxies.core.plan import Collective, Plan
-from proxies.core.network import Topology
-from proxies.core.predict import chooser, predict
-from test_network import GBIT, machine
 
 TEN_GBE = "configs/machines/10gbe.yaml"
 MIB = 1 << 20
@@ -124,11 +121,36 @@ def _job_prediction(module: str, argv: list[str], world: int, fold: str, m):
 @pytest.mark.parametrize(
     "module,argv,world,rpn",
     [
-        ("gpt2", ["8", "2", "4", "--model", "gpt2", "--seq-len", "64", "--compute", "model"], 16, 4),
-        ("gpt2", ["8", "4", "4", "--model", "gpt2", "--grad-sync", "buckets", "--compute", "none"], 32, 8),
+        (
+            "gpt2",
+            ["8", "2", "4", "--model", "gpt2", "--seq-len", "64", "--compute", "model"],
+            16,
+            4,
+        ),
+        (
+            "gpt2",
+            ["8", "4", "4", "--model", "gpt2", "--grad-sync", "buckets", "--compute", "none"],
+            32,
+            8,
+        ),
         ("gpt3", ["4", "2", "--model", "gpt3-medium", "--tp", "2", "--micro-batches", "4"], 16, 4),
-        ("gpt3", ["4", "2", "--model", "gpt3-medium", "--tp", "2", "--order", "megatron",
-                  "--micro-batches", "4"], 32, 8),
+        (
+            "gpt3",
+            [
+                "4",
+                "2",
+                "--model",
+                "gpt3-medium",
+                "--tp",
+                "2",
+                "--order",
+                "megatron",
+                "--micro-batches",
+                "4",
+            ],
+            32,
+            8,
+        ),
     ],
 )
 def test_folded_equals_full(module, argv, world, rpn):
@@ -157,9 +179,28 @@ def test_gpt2_dry_run_predicts_the_seed_layout(tmp_path):
     for alg in ("naive", "ring"):
         out = tmp_path / f"{alg}.json"
         r = run_cmd(
-            [sys.executable, "-m", "proxies.gpt2", "12", "1", "--model", "gpt2", "--compute",
-             "none", "--dry-run", "--world-size", "9", "--ranks-per-node", "2", "--machine",
-             TEN_GBE, "--allreduce", alg, "--json", str(out)]
+            [
+                sys.executable,
+                "-m",
+                "proxies.gpt2",
+                "12",
+                "1",
+                "--model",
+                "gpt2",
+                "--compute",
+                "none",
+                "--dry-run",
+                "--world-size",
+                "9",
+                "--ranks-per-node",
+                "2",
+                "--machine",
+                TEN_GBE,
+                "--allreduce",
+                alg,
+                "--json",
+                str(out),
+            ]
         )
         assert r.returncode == 0, r.stderr
         assert "predicted time per iteration" in r.stdout
@@ -174,8 +215,18 @@ def test_bad_machine_file_exits_2(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text(open(TEN_GBE).read().replace("bandwidth: 9.41 Gb/s", "bandwidth: -9.41 Gb/s", 1))
     r = run_cmd(
-        [sys.executable, "-m", "proxies.gpt2", "4", "2", "--dry-run", "--world-size", "4",
-         "--machine", str(bad)]
+        [
+            sys.executable,
+            "-m",
+            "proxies.gpt2",
+            "4",
+            "2",
+            "--dry-run",
+            "--world-size",
+            "4",
+            "--machine",
+            str(bad),
+        ]
     )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

@@ -124,7 +124,9 @@ def node_exchange(
         if comm.rank in paired:
             i = paired.index(comm.rank)
             peer = paired[i ^ 1]
-            comm.Sendrecv(out, dest=peer, sendtag=TAG + 2, recvbuf=into, source=peer, recvtag=TAG + 2)
+            comm.Sendrecv(
+                out, dest=peer, sendtag=TAG + 2, recvbuf=into, source=peer, recvtag=TAG + 2
+            )
         took = comm.allreduce(MPI.Wtime() - t0 if comm.rank in paired else 0.0, op=MPI.MAX)
         if rep:
             times.append(took)

@@ -301,7 +301,13 @@ def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
     from proxies.core.prediction import collective_seconds
 
     return collective_seconds(
-        machine, "allreduce", alg, n, count, dtype.name, args.ranks_per_node,
+        machine,
+        "allreduce",
+        alg,
+        n,
+        count,
+        dtype.name,
+        args.ranks_per_node,
         detail=args.predict,
     )
 
@@ -318,8 +324,9 @@ def dry_run(args, algs: list[str], machine) -> int:
             f"{args.machine}: {n} ranks at {rpn} per node need more than one node, but the "
             f"machine has no inter_node level; give --ranks-per-node {n}"
         )
+    per = f"{rpn} rank{'s' * (rpn > 1)} per node"
     print(
-        f"# {PROG}: allreduce on {n} ranks predicted on {machine.name} ({rpn} rank{"s" * (rpn > 1)} per node) "
+        f"# {PROG}: allreduce on {n} ranks predicted on {machine.name} ({per}) "
         f"· busbw = algbw x 2(n-1)/n = algbw x {2 * (n - 1) / n:.3f}\n"
         f"# {'size':>10} {'count':>11} {'type':>8} {'algorithm':>9} {'time':>10} "
         f"{'algbw':>7} {'busbw':>7}\n"
@@ -331,9 +338,11 @@ def dry_run(args, algs: list[str], machine) -> int:
     for size in sizes(args.minbytes, args.maxbytes, args.stepfactor):
         count = size // dtype.itemsize
         for alg in algs:
-            row = make_row(alg, count, dtype, n, predicted(machine, args, alg, count, dtype, n), None)
+            row = make_row(
+                alg, count, dtype, n, predicted(machine, args, alg, count, dtype, n), None
+            )
             row["predicted"] = True
-            print(line(row, None)[: -8], flush=True)
+            print(line(row, None)[:-8], flush=True)
             rows.append(row)
     if args.json:
         report.write_json(args.json, rows)
@@ -373,8 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         head = header(comm, MPI, args, wait)
         if machine is not None:
             rpn = args.ranks_per_node or machine.ranks_per_node
-            head.insert(3, f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
-                        f"model's busbw, meas/pred = measured over predicted")
+            head.insert(
+                3,
+                f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
+                f"model's busbw, meas/pred = measured over predicted",
+            )
             head[-2] += f" {'pred':>7} {'meas/':>6}"
             head[-1] += f" {'(GB/s)':>7} {'pred':>6}"
         print("\n".join(head), flush=True)
@@ -405,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             for g in group:
                 extra = ""
                 if machine is not None:
-                    extra = f" {g['predicted_busbw']:>7.2f} {g['busbw'] / g['predicted_busbw']:>6.2f}"
+                    extra = (
+                        f" {g['predicted_busbw']:>7.2f} {g['busbw'] / g['predicted_busbw']:>6.2f}"
+                    )
                 print(line(g, mpi_busbw) + extra, flush=True)
         rows += group
 

@@ -17,7 +17,16 @@ if TYPE_CHECKING:
     from proxies.core.machine import Machine
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
-ALLREDUCE_ALGS = ("mpi", "ring", "tree", "rhd", "rd", "dbtree", "hier", "naive")  # proxies.collectives
+ALLREDUCE_ALGS = (
+    "mpi",
+    "ring",
+    "tree",
+    "rhd",
+    "rd",
+    "dbtree",
+    "hier",
+    "naive",
+)  # proxies.collectives
 # --dtype / --grad-dtype names -> the dtype names plans carry (see core/wire.py).
 WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -90,7 +90,13 @@ SECTIONS: dict[str, dict[str, str]] = {
     "compute": {"matmul": "rate", "memory": "bandwidth", "device": "rate", "reduce": "bandwidth"},
 }
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
-OPTIONAL = {"intra_node.node_bandwidth", "switch.oversubscription", "compute.matmul", "compute.memory", "compute.device"}
+OPTIONAL = {
+    "intra_node.node_bandwidth",
+    "switch.oversubscription",
+    "compute.matmul",
+    "compute.memory",
+    "compute.device",
+}
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
 

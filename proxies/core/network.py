@@ -30,7 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Link ids: small tuples, hashable and readable in a diagnosis.
-PORT_OUT, PORT_IN, NIC_OUT, NIC_IN, UP, DOWN = "port_out", "port_in", "nic_out", "nic_in", "up", "down"
+PORT_OUT, PORT_IN, NIC_OUT, NIC_IN, UP, DOWN = (
+    "port_out",
+    "port_in",
+    "nic_out",
+    "nic_in",
+    "up",
+    "down",
+)
 BUS = "bus"  # a node's intra-node fabric as a whole (intra_node.node_bandwidth)
 
 

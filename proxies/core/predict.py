@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxies.core.network import Flow, Flows, Topology
-from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan, Wait, itemsize
+from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait, itemsize
 from proxies.core.report import HIDDEN
 from proxies.core.simulate import PlanError
 
@@ -128,8 +128,6 @@ class _Msg:
         self.src, self.dst, self.nbytes, self.members = src, dst, nbytes, members
         self.matched = 0.0
         self.on_done: list[Callable[[float, _Msg], None]] = []
-
-
 
 
 class _Instance:
@@ -456,7 +454,12 @@ class _Predictor:
             else:
                 alpha = self.topo.alpha
                 shape = steps.coarse(
-                    kind, inst.alg, n, op.count, isz, lambda i, j: alpha(members[i], members[j]),
+                    kind,
+                    inst.alg,
+                    n,
+                    op.count,
+                    isz,
+                    lambda i, j: alpha(members[i], members[j]),
                     nodes,
                 )
             self._shapes[key] = shape
@@ -494,7 +497,9 @@ class _Predictor:
                 d = ev[1] * isz / self.reduce_bw
                 pos += 1
                 if d > 0:
-                    self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done, None))
+                    self.at(
+                        t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done, None)
+                    )
                     return
             else:
                 raise PlanError(f"unknown step {ev!r} in {inst.alg} {inst.op.kind}")
@@ -523,7 +528,9 @@ class _Predictor:
 
         self.flows.start_many(
             [
-                Flow(topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members))
+                Flow(
+                    topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members)
+                )
                 for a, b, nbytes in flows
             ],
             t,

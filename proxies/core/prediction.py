@@ -45,10 +45,11 @@ def compute_cost(
             f"{machine.source or machine.name}: compute.matmul (or compute.device) is needed "
             f"to predict --compute {mode}; give it, or predict --compute model or none"
         )
-    share = max(1.0, machine_rpn(args, machine) / machine.cores_per_node)
+    rpn, cores = machine_rpn(args, machine), machine.cores_per_node
+    share = max(1.0, rpn / cores)
     how = f"compute as FLOPs at {rate / 1e9:g} GFLOP/s per rank"
     if share > 1:
-        how += f", {share:g}x slower: {machine_rpn(args, machine)} ranks share {machine.cores_per_node} cores"
+        how += f", {share:g}x slower: {rpn} ranks share {cores} cores"
     return (lambda r, op: op.flops / rate * share), how
 
 
@@ -130,9 +131,7 @@ def as_result(pred: Prediction, job, world: int) -> dict:
     labels = {r: job.label(r) for r in reps}
     cats = report.ordered({c for b in pred.breakdown.values() for c in b})
     rep_of = pred.rep_of if pred.rep_of is not None else np.arange(world)
-    per_rank = {
-        c: [pred.breakdown[int(rep_of[r])].get(c, 0.0) for r in range(world)] for c in cats
-    }
+    per_rank = {c: [pred.breakdown[int(rep_of[r])].get(c, 0.0) for r in range(world)] for c in cats}
     plans_bytes = {r: job.plan(r).bytes_by_category() for r in reps}
     byte_cats = sorted({c for b in plans_bytes.values() for c in b})
     return {
@@ -150,9 +149,7 @@ def json_fields(pred: Prediction, result: dict, note: str) -> dict:
     return {
         "predicted_iter_time_s": pred.time,
         "predicted_breakdown_s": {c: v[0] for c, v in result["breakdown_s"].items()},
-        "predicted_breakdown_max_s": {
-            c: max(v) for c, v in result["breakdown_per_rank_s"].items()
-        },
+        "predicted_breakdown_max_s": {c: max(v) for c, v in result["breakdown_per_rank_s"].items()},
         "prediction": note,
     }
 
