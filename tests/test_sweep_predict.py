@@ -351,3 +351,16 @@ def test_measured_point_carries_its_prediction(tmp_path):
     assert float(rows[2]["error"]) == pytest.approx((p - t) / t, rel=1e-9)
     p4 = recs[4]["result"]["predicted_iter_time_s"]
     assert float(rows[4]["speedup"]) == pytest.approx(p / p4, rel=1e-12)
+
+
+def test_shipped_gpt3_predict_config():
+    """All predicted, tp 8 x 16 stages x DP 1, 2, 8, 32, 96 on the DGX A100 model, 8 ranks
+    per node; the proxy plans every point (its precheck dry run accepts them all)."""
+    path = os.path.join(ROOT, "configs", "gpt3-predict.yaml")
+    ps = expand(load(path))
+    assert [(p.ranks, p.predicted) for p in ps] == [(128 * dp, True) for dp in (1, 2, 8, 32, 96)]
+    m = ps[0].run.machine
+    assert m.path == os.path.join(ROOT, "configs", "machines", "dgx-a100.yaml")
+    assert m.ranks_per_node == 8 and ps[0].run.scaling == "weak"
+    assert " ".join(ps[0].argv).startswith("96 16 --model gpt3-175b --tp 8 --order megatron")
+    assert launch.precheck(ps) == {}

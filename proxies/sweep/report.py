@@ -228,7 +228,7 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
             if any(r["predicted"] for r in shown):
                 out.print(
                     "(pred): predicted only, on the machine model, not run; its speed-up "
-                    "and efficiency are against the series' first predicted time"
+                    "and efficiency are against the series' predicted time at its fewest ranks"
                 )
         # Why points did not run: grouped by reason, ranks listed.
         why: dict[tuple[str, str, str], list[int]] = {}
