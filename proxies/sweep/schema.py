@@ -15,10 +15,12 @@ A sweep names a proxy (or several under `runs:`), rank counts and a matrix of ar
     repeat: 1
     timeout: 600                   # seconds per point
     launcher: mpiexec              # mpirun, srun, or a template with {ranks} and {command}
+    machine: machines/10gbe.yaml   # a machine model: every point also predicts
+    predict_ranks: [1024, 4096]    # predicted only (one --dry-run process each), no launch
 
 Every problem is a SweepError "FILE: KEY: problem" (exit 2), raised before anything runs.
 A point is (proxy, ranks, resolved args, repeat index); its identity for resuming is the
-canonical JSON of those four.
+canonical JSON of those four (and, for a predicted point, of the machine model).
 """
 
 from __future__ import annotations
