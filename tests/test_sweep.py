@@ -133,7 +133,8 @@ def test_bad_file_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == f"proxies sweep: error: {path}: colour: unknown key " + (
         "(allowed: name, description, launcher, sbatch, runs, label, proxy, ranks, args, "
-        "repeat, timeout, env, skip, scaling, precheck)"
+        "repeat, timeout, env, skip, scaling, precheck, machine, machine_set, ranks_per_node, "
+        "predict, predict_ranks)"
     )
     assert r.stdout == ""
 

@@ -3,6 +3,9 @@ timeout that ends its whole process group, and asking the proxy whether a point 
 
     mpiexec -n {ranks} {command}         the default (mpirun and srun likewise)
     {command} is `python -m proxies.<proxy> POSITIONALS --option value ... --json PATH`
+
+A predicted-only point (predict_ranks) is no launch: one process, `{command} --dry-run
+--world-size N` with the machine options, which predicts N ranks without MPI.
 """
 
 from __future__ import annotations
@@ -52,13 +55,19 @@ def template(launcher: str) -> str:
     return t
 
 
-def proxy_command(point: Point, json_path: str | None) -> list[str]:
+def proxy_command(point: Point, json_path: str | None, machine: bool = True) -> list[str]:
+    """`python -m proxies.<proxy> ...`, with the run's machine options unless machine=False
+    (the precheck only asks whether the point can be planned)."""
     cmd = [sys.executable, "-m", f"proxies.{point.proxy}", *point.argv]
+    if machine:
+        cmd += point.machine_argv
     return cmd + (["--json", json_path] if json_path else [])
 
 
 def command(point: Point, launcher: str, json_path: str | None) -> list[str]:
-    """The full launch command of a point."""
+    """The full command of a point: launched, or one process for a predicted point."""
+    if point.predicted:
+        return proxy_command(point, json_path) + ["--dry-run", "--world-size", str(point.ranks)]
     words = []
     for w in shlex.split(template(launcher)):
         if w == "{command}":
@@ -212,7 +221,8 @@ def precheck(points: list[Point], workers: int | None = None) -> dict[str, str]:
 
 def dry_run(point: Point) -> str | None:
     """The proxy's one-line message when it rejects the point (exit status 2), else None."""
-    cmd = proxy_command(point, None) + ["--dry-run", "--world-size", str(point.ranks)]
+    cmd = proxy_command(point, None, machine=False)
+    cmd += ["--dry-run", "--world-size", str(point.ranks)]
     try:
         r = subprocess.run(
             cmd,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 # Options the sweep itself sets on every launch.
 RESERVED = ("json", "dry_run", "world_size", "help")
+# Options the sweep sets from its own keys (validated there, paths resolved there).
+MACHINE_KEYS = ("machine", "machine_set", "ranks_per_node", "predict")
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,21 @@ class ProxyArgs:
         return {
             d: a.default
             for d, a in self.actions.items()
-            if a.default is not None and a.default is not argparse.SUPPRESS and d not in RESERVED
+            if a.default is not None
+            and a.default is not argparse.SUPPRESS
+            and d not in RESERVED
+            and d not in MACHINE_KEYS
         }
 
     def check(self, dest: str, value: object) -> str | None:
         """None when `value` is acceptable for `dest`, else the problem in words."""
         if dest in RESERVED:
             return "set by the sweep itself, not in args"
+        if dest in MACHINE_KEYS:
+            return (
+                f"not in args: write {dest}: beside args (the sweep validates "
+                "the machine model and finds the file beside the sweep file)"
+            )
         if not self.known:
             return None
         action = self.actions.get(dest)

@@ -7,6 +7,13 @@ across rank counts; its base is its point with the fewest ranks that ran (N0, t0
 
     strong scaling (same problem):   speed-up = t0 / t        efficiency = speed-up * N0 / N
     weak scaling (work grows with N): efficiency = t0 / t     speed-up = efficiency * N / N0
+
+With a machine model, a point's JSON also holds `predicted_iter_time_s` (one number: the
+predicted iteration) and `predicted_breakdown_s`: the row's `predicted_s` is its mean over
+repeats, `error` = (predicted - measured) / measured. Predicted-only points (predict_ranks)
+have no measurement; their speed-up and efficiency come from predicted times only, against
+the series' predicted time at its fewest ranks (a measured point's prediction, or the
+smallest predicted point), never against a measurement.
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ def point_breakdown(result: dict) -> dict[str, float]:
     return {c: statistics.fmean(v) for c, v in result.get("breakdown_s", {}).items() if v}
 
 
+def predicted_time(result: dict) -> float | None:
+    t = result.get("predicted_iter_time_s")
+    return None if t is None else float(t)
+
+
+def mean_breakdown(bds: list[dict[str, float]]) -> dict[str, float]:
+    cats = ordered({c for b in bds for c in b})
+    return {c: statistics.fmean(b.get(c, 0.0) for b in bds) for c in cats}
+
+
 def rows(records: list[dict]) -> list[dict]:
     """One row per (series, ranks), in the sweep's order, with speed-up and efficiency
     against the series' smallest run."""
@@ -50,6 +67,7 @@ def rows(records: list[dict]) -> list[dict]:
         counts = Counter(r["status"] for r in recs)
         status = ", ".join(k if len(counts) == 1 else f"{k} {n}" for k, n in counts.items())
         not_ok = [r for r in recs if r["status"] != "ok"]
+        predicted = bool(p.get("predicted"))
         row = {
             "label": p["label"],
             "series": ", ".join(f"{k}={p['series'][k]}" for k in varying.get(p["label"], [])),
@@ -65,31 +83,54 @@ def rows(records: list[dict]) -> list[dict]:
             "efficiency": None,
             "breakdown_s": {},
             "reason": reason(not_ok[0]) if not_ok else "",
+            "predicted": predicted,  # predict_ranks: no measurement, only the prediction
+            "machine": p.get("machine", ""),
+            "predicted_s": None,
+            "error": None,
+            "predicted_speedup": None,
+            "predicted_efficiency": None,
+            "predicted_breakdown_s": {},
         }
-        if ok:
+        if ok and not predicted:
             row["iter_time_s"] = statistics.fmean(point_time(r["result"]) for r in ok)
-            bds = [point_breakdown(r["result"]) for r in ok]
-            cats = ordered({c for b in bds for c in b})
-            row["breakdown_s"] = {c: statistics.fmean(b.get(c, 0.0) for b in bds) for c in cats}
+            row["breakdown_s"] = mean_breakdown([point_breakdown(r["result"]) for r in ok])
+        pred = [r["result"] for r in ok if predicted_time(r["result"]) is not None]
+        if pred:
+            row["predicted_s"] = statistics.fmean(predicted_time(r) for r in pred)
+            row["predicted_breakdown_s"] = mean_breakdown(
+                [{c: float(v) for c, v in r.get("predicted_breakdown_s", {}).items()} for r in pred]
+            )
+        if row["iter_time_s"] and row["predicted_s"] is not None:
+            row["error"] = (row["predicted_s"] - row["iter_time_s"]) / row["iter_time_s"]
         out.append(row)
     scale(out)
     return out
 
 
 def scale(rows: list[dict]) -> None:
-    by_series: dict[str, list[dict]] = {}
+    """Measured speed-up and efficiency against the series' smallest measured point;
+    predicted ones against its smallest predicted point. A predicted-only row shows the
+    predicted pair as its speed-up and efficiency (it has no other)."""
+    for time_key, speedup, efficiency in (
+        ("iter_time_s", "speedup", "efficiency"),
+        ("predicted_s", "predicted_speedup", "predicted_efficiency"),
+    ):
+        by_series: dict[str, list[dict]] = {}
+        for r in rows:
+            if r[time_key]:
+                by_series.setdefault(r["series_id"], []).append(r)
+        for members in by_series.values():
+            base = min(members, key=lambda r: r["ranks"])
+            t0, n0 = base[time_key], base["ranks"]
+            for r in members:
+                ratio = t0 / r[time_key]
+                if r["scaling"] == "weak":
+                    r[efficiency], r[speedup] = ratio, ratio * r["ranks"] / n0
+                else:
+                    r[speedup], r[efficiency] = ratio, ratio * n0 / r["ranks"]
     for r in rows:
-        if r["iter_time_s"]:
-            by_series.setdefault(r["series_id"], []).append(r)
-    for members in by_series.values():
-        base = min(members, key=lambda r: r["ranks"])
-        t0, n0 = base["iter_time_s"], base["ranks"]
-        for r in members:
-            ratio = t0 / r["iter_time_s"]
-            if r["scaling"] == "weak":
-                r["efficiency"], r["speedup"] = ratio, ratio * r["ranks"] / n0
-            else:
-                r["speedup"], r["efficiency"] = ratio, ratio * n0 / r["ranks"]
+        if r["predicted"]:
+            r["speedup"], r["efficiency"] = r["predicted_speedup"], r["predicted_efficiency"]
 
 
 def varying_args(records: list[dict]) -> dict[str, list[str]]:
@@ -123,13 +164,28 @@ def seconds(x: float | None) -> str:
     return "" if x is None else f"{x:.4f}"
 
 
+def percent(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
 def name(row: dict) -> str:
     return row["label"] + (f" ({row['series']})" if row["series"] else "")
 
 
+def shown_name(row: dict) -> str:
+    return name(row) + (" (pred)" if row["predicted"] else "")
+
+
+def shown_breakdown(row: dict) -> dict[str, float]:
+    """What the breakdown columns show: the measurement, or for a predicted-only row the
+    prediction (the row is marked)."""
+    return row["predicted_breakdown_s"] if row["predicted"] else row["breakdown_s"]
+
+
 def print_table(table_rows: list[dict], title: str, out=None) -> None:
     """One table per proxy (breakdown categories differ between proxies); points that did
-    not run are listed under it with the reason."""
+    not run are listed under it with the reason. With predictions, a predicted column and
+    the relative error beside the measured time; predicted-only rows marked (pred)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -137,35 +193,48 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
     for proxy in dict.fromkeys(r["proxy"] for r in table_rows):
         mine = [r for r in table_rows if r["proxy"] == proxy]
         shown = [r for r in mine if r["status"] != "skipped"]
-        cats = ordered({c for r in shown for c in r["breakdown_s"]})
+        cats = ordered({c for r in shown for c in shown_breakdown(r)})
         cats = [c for c in cats if not c.endswith(HIDDEN)]
+        with_pred = any(r["predicted_s"] is not None or r["predicted"] for r in shown)
         if shown:
+            what = "mean over ranks; (pred) rows: predicted" if with_pred else "mean over ranks"
             t = Table(
-                title=f"{title}: {proxy}, seconds per iteration (breakdown: mean over ranks)",
+                title=f"{title}: {proxy}, seconds per iteration (breakdown: {what})",
                 title_justify="left",
             )
             t.add_column("run", no_wrap=True)
-            for col in ("ranks", "status", "time/iter", "speed-up", "efficiency"):
+            cols = ["ranks", "status", "time/iter"]
+            cols += ["predicted", "error"] if with_pred else []
+            for col in (*cols, "speed-up", "efficiency"):
                 t.add_column(col, justify="left" if col == "status" else "right")
             for c in cats:
                 t.add_column(category_label(c).split(" (")[0], justify="right")
             for r in shown:
                 ok = r["status"] == "ok"
+                status = ("predicted" if r["predicted"] else "ok") if ok else r["status"]
+                pred = [seconds(r["predicted_s"]), percent(r["error"])] if with_pred else []
+                bd = shown_breakdown(r)
                 t.add_row(
-                    escape(name(r)),
+                    escape(shown_name(r)),
                     str(r["ranks"]),
-                    r["status"] if ok else f"[red]{escape(r['status'])}[/]",
+                    status if ok else f"[red]{escape(status)}[/]",
                     seconds(r["iter_time_s"]),
+                    *pred,
                     "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
                     "" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%",
-                    *(seconds(r["breakdown_s"].get(c)) if r["breakdown_s"] else "" for c in cats),
+                    *(seconds(bd.get(c)) if bd else "" for c in cats),
                 )
             out.print(t)
+            if any(r["predicted"] for r in shown):
+                out.print(
+                    "(pred): predicted only, on the machine model, not run; its speed-up "
+                    "and efficiency are against the series' predicted time at its fewest ranks"
+                )
         # Why points did not run: grouped by reason, ranks listed.
         why: dict[tuple[str, str, str], list[int]] = {}
         for r in mine:
             if r["status"] != "ok":
-                why.setdefault((name(r), r["status"], r["reason"]), []).append(r["ranks"])
+                why.setdefault((shown_name(r), r["status"], r["reason"]), []).append(r["ranks"])
         for (who, status, reason), ranks in why.items():
             at = ", ".join(map(str, ranks))
             color = "yellow" if status == "skipped" else "red"
@@ -174,8 +243,12 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
 
 def write_csv(table_rows: list[dict], path: str) -> None:
     cats = ordered({c for r in table_rows for c in r["breakdown_s"]})
+    pcats = ordered({c for r in table_rows for c in r["predicted_breakdown_s"]})
     cols = ["label", "series", "proxy", "scaling", "ranks", "status", "repeats", "iter_time_s"]
-    cols += ["speedup", "efficiency", *(f"breakdown_{c}_s" for c in cats), "args", "reason"]
+    cols += ["speedup", "efficiency", "predicted", "predicted_s", "error"]
+    cols += ["predicted_speedup", "predicted_efficiency"]
+    cols += [f"breakdown_{c}_s" for c in cats] + [f"predicted_breakdown_{c}_s" for c in pcats]
+    cols += ["machine", "args", "reason"]
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
@@ -183,12 +256,18 @@ def write_csv(table_rows: list[dict], path: str) -> None:
         for r in table_rows:
             row = {**r, "args": json.dumps(r["args"], sort_keys=True)}
             row.update({f"breakdown_{c}_s": r["breakdown_s"].get(c) for c in cats})
+            row.update(
+                {f"predicted_breakdown_{c}_s": r["predicted_breakdown_s"].get(c) for c in pcats}
+            )
             w.writerow(["" if row.get(c) is None else row[c] for c in cols])
     os.replace(tmp, path)
 
 
 def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
-    """time.png, efficiency.png, breakdown.png; [] when matplotlib is not installed."""
+    """time.png, efficiency.png, breakdown.png; [] when matplotlib is not installed.
+    Measurements are solid lines with filled markers; predictions (of measured points and
+    predicted-only ones) dashed lines with hollow markers in the series' colour; predicted
+    bars are hatched."""
     try:
         import matplotlib
         import matplotlib.ticker
@@ -197,33 +276,45 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    done = [r for r in table_rows if r["iter_time_s"]]
+    done = [r for r in table_rows if r["iter_time_s"] or r["predicted_s"]]
     if not done:
         return []
     series: dict[str, list[dict]] = {}
     for r in done:
         series.setdefault(r["series_id"], []).append(r)
     paths = []
-    for name, key, ylabel in (
-        ("time.png", "iter_time_s", "seconds per iteration"),
-        ("efficiency.png", "efficiency", "parallel efficiency"),
+    for name, keys, ylabel in (
+        ("time.png", ("iter_time_s", "predicted_s"), "seconds per iteration"),
+        ("efficiency.png", ("efficiency", "predicted_efficiency"), "parallel efficiency"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for members in series.values():
+        for k, members in enumerate(series.values()):
             members = sorted(members, key=lambda r: r["ranks"])
             r0 = members[0]
             legend = r0["label"] + (f" ({r0['series']})" if r0["series"] else "")
-            ax.plot(
-                [r["ranks"] for r in members],
-                [r[key] for r in members],
-                marker="o",
-                label=f"{legend} [{r0['scaling']}]",
-            )
+            legend += f" [{r0['scaling']}]"
+            measured_key, predicted_key = keys
+            measured = [r for r in members if not r["predicted"] and r[measured_key]]
+            predicted = [r for r in members if r[predicted_key]]
+            style = {"color": f"C{k % 10}", "marker": "o"}
+            if measured:
+                xs, ys = [r["ranks"] for r in measured], [r[measured_key] for r in measured]
+                ax.plot(xs, ys, label=legend, **style)
+            if predicted:
+                xs, ys = [r["ranks"] for r in predicted], [r[predicted_key] for r in predicted]
+                ax.plot(
+                    xs,
+                    ys,
+                    linestyle="--",
+                    markerfacecolor="none",
+                    label=f"{legend} predicted",
+                    **style,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["ranks"] for r in done}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        if key == "iter_time_s":
+        if name == "time.png":
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
             ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
@@ -238,20 +329,35 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
         fig.tight_layout()
         paths.append(save(fig, os.path.join(directory, name), plt))
 
+    bars = [r for r in done if shown_breakdown(r)]
     cats = [
-        c for c in ordered({c for r in done for c in r["breakdown_s"]}) if not c.endswith(HIDDEN)
+        c for c in ordered({c for r in bars for c in shown_breakdown(r)}) if not c.endswith(HIDDEN)
     ]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(done) + 2), 4.5))
-    xs = range(len(done))
-    bottom = [0.0] * len(done)
-    for c in cats:
-        h = [r["breakdown_s"].get(c, 0.0) for r in done]
-        ax.bar(xs, h, bottom=bottom, label=category_label(c).split(" (")[0])
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4.5))
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for j, c in enumerate(cats):
+        h = [shown_breakdown(r).get(c, 0.0) for r in bars]
+        drawn = ax.bar(
+            xs, h, bottom=bottom, color=f"C{j % 10}", label=category_label(c).split(" (")[0]
+        )
+        for patch, r in zip(drawn, bars, strict=True):
+            if r["predicted"]:
+                patch.set_hatch("//")
+                patch.set_alpha(0.6)
         bottom = [b + v for b, v in zip(bottom, h, strict=True)]
-    ticks = [f"{r['label']}\n{r['series']}\n{r['ranks']} ranks".replace("\n\n", "\n") for r in done]
+    ticks = [
+        f"{r['label']}\n{r['series']}\n{r['ranks']} ranks{' (pred)' * r['predicted']}".replace(
+            "\n\n", "\n"
+        )
+        for r in bars
+    ]
     ax.set_xticks(list(xs), ticks, fontsize="x-small", rotation=90)
     ax.set_ylabel("seconds per iteration (mean over ranks)")
-    ax.set_title(f"{title}: where the time went")
+    ax.set_title(
+        f"{title}: where the time went"
+        + (" (hatched: predicted)" if any(r["predicted"] for r in bars) else "")
+    )
     ax.legend(fontsize="small")
     fig.tight_layout()
     paths.append(save(fig, os.path.join(directory, "breakdown.png"), plt))

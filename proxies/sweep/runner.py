@@ -3,6 +3,10 @@ job, record each in results/<name>/results.jsonl as it finishes, then report.
 
 Exit status: 0 when every point ran (or was skipped by a rule), 1 when a point failed or
 timed out, 2 for a bad sweep file, 128 + signal when interrupted (rerun to resume).
+
+Points of `predict_ranks` are not launched: each is one process predicting its rank count
+on the run's machine model (`--dry-run --world-size N --machine FILE`); they are recorded,
+resumed and reported like the others, marked predicted, and never size the allocation.
 """
 
 from __future__ import annotations
@@ -126,9 +130,11 @@ def env_prefix(p: Point) -> str:
 def print_commands(sweep: Sweep, points: list[Point], args) -> int:
     outdir = os.path.join(args.results, sweep.name)
     runnable = [p for p in points if not p.skip]
+    predicted = sum(p.predicted for p in runnable)
     print(
         f"# sweep {sweep.name} ({sweep.path}): {len(points)} points, {len(runnable)} to run, "
         f"{len(points) - len(runnable)} skipped"
+        + (f"; {predicted} predicted, one process each, no launcher" if predicted else "")
     )
     for i, p in enumerate(points):
         if p.skip:
@@ -146,7 +152,9 @@ def write_sbatch(sweep: Sweep, points: list[Point], args) -> int:
     if not runnable:
         print("proxies sweep: error: every point is skipped: nothing to submit", file=sys.stderr)
         return 2
-    ranks = max(p.ranks for p in runnable)
+    # Predicted points run inside the job too (their time counts) but on one core: the
+    # allocation is sized by the measured points only.
+    ranks = max((p.ranks for p in runnable if not p.predicted), default=1)
     seconds = int(sum(p.run.timeout for p in runnable)) + 600
     outdir = os.path.abspath(os.path.join(args.results, sweep.name))
     os.makedirs(outdir, exist_ok=True)  # Slurm opens --output before the job starts
@@ -256,8 +264,11 @@ def execute(sweep: Sweep, points: list[Point], args) -> int:
         if p.id in final and final[p.id]["status"] in ("failed", "timeout")
     ]
     if bad:
+        npred = sum(1 for rec in bad if rec["point"].get("predicted"))
         print(
-            f"proxies sweep: {len(bad)} of {len(points)} points failed or timed out:",
+            f"proxies sweep: {len(bad)} of {len(points)} points failed or timed out"
+            + (f" ({npred} of them predictions, which launch nothing)" if npred else "")
+            + ":",
             file=sys.stderr,
         )
         for rec in bad:
@@ -342,7 +353,8 @@ def short_names(points: list[Point]) -> dict[str, str]:
     out = {}
     for p in points:
         words = [f"{k}={v}" for k, v in p.args if len(values[(p.run.label, k)]) > 1]
-        rep = f" #{p.repeat + 1}" if p.run.repeat > 1 else ""
+        rep = f" #{p.repeat + 1}" if p.run.repeat > 1 and not p.predicted else ""
+        rep += " (pred)" if p.predicted else ""
         out[p.id] = " ".join([p.run.label, f"{p.ranks} ranks", *words]) + rep
     return out
 
@@ -374,6 +386,10 @@ def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> 
         except (OSError, ValueError) as e:
             rec["status"] = "failed"
             rec["stderr_tail"] = f"exit status 0 but no JSON results in {json_path}: {e}"
+        else:
+            if p.predicted and "predicted_iter_time_s" not in rec["result"]:
+                rec["status"] = "failed"
+                rec["stderr_tail"] = f"exit status 0 but no predicted_iter_time_s in {json_path}"
     if outcome.status != "ok" or rec["status"] != "ok":
         rec["stderr_tail"] = rec.get("stderr_tail") or launch.tail(err)
     results.append(jsonl, rec)
@@ -385,9 +401,16 @@ def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> 
 def summary(rec: dict) -> str:
     what = rec["describe"]
     if rec["status"] == "ok":
-        from proxies.sweep.report import point_time
+        from proxies.sweep.report import point_time, predicted_time
 
-        return f"{what}: ok, {point_time(rec['result']):.4g} s/iter ({rec['elapsed_s']:.1f} s)"
+        t = predicted_time(rec["result"])
+        pred = "" if t is None else f"predicted {t:.4g} s/iter"
+        if rec["point"].get("predicted"):
+            return f"{what}: ok, {pred} ({rec['elapsed_s']:.1f} s)"
+        pred = f", {pred}" if pred else ""
+        return (
+            f"{what}: ok, {point_time(rec['result']):.4g} s/iter{pred} ({rec['elapsed_s']:.1f} s)"
+        )
     if rec["status"] == "timeout":
         return f"{what}: TIMEOUT after {rec['timeout_s']:g} s"
     lines = [x for x in rec.get("stderr_tail", "").splitlines() if x.strip()]

@@ -15,10 +15,12 @@ A sweep names a proxy (or several under `runs:`), rank counts and a matrix of ar
     repeat: 1
     timeout: 600                   # seconds per point
     launcher: mpiexec              # mpirun, srun, or a template with {ranks} and {command}
+    machine: machines/10gbe.yaml   # a machine model: every point also predicts
+    predict_ranks: [1024, 4096]    # predicted only (one --dry-run process each), no launch
 
 Every problem is a SweepError "FILE: KEY: problem" (exit 2), raised before anything runs.
 A point is (proxy, ranks, resolved args, repeat index); its identity for resuming is the
-canonical JSON of those four.
+canonical JSON of those four (and, for a predicted point, of the machine model).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from proxies.sweep import expr
+from proxies.sweep import expr, machines
 from proxies.sweep.proxyargs import ProxyArgs, lookup
 
 RUN_KEYS = {
@@ -46,6 +48,11 @@ RUN_KEYS = {
     "skip": "rules skipping points that cannot run",
     "scaling": "strong or weak: how speed-up and efficiency are computed",
     "precheck": "ask the proxy (--dry-run --world-size N) whether each point can run",
+    "machine": "a machine model file (configs/machines/*.yaml): every point also predicts",
+    "machine_set": "{KEY: VALUE}: what-if changes to the machine file (--machine-set)",
+    "ranks_per_node": "ranks per node on the machine model (--ranks-per-node)",
+    "predict": "auto, steps or coarse: how the predictor prices collectives (--predict)",
+    "predict_ranks": "rank counts only predicted on the machine model, never launched",
 }
 TOP_KEYS = {
     "name": "the sweep's name: results go to results/<name>/",
@@ -104,6 +111,8 @@ class Run:
     skip: tuple[Rule, ...] = ()
     scaling: str = "strong"
     precheck: bool = True
+    machine: machines.MachineSpec | None = None
+    predict_ranks: tuple[int, ...] = ()  # points predicted (a dry run), never launched
 
     @property
     def skips_rejected(self) -> bool:
@@ -129,6 +138,7 @@ class Point:
     series: tuple[tuple[str, object], ...]  # the arg combination before expressions
     skip: str | None = None  # why a rule skips it
     argv: tuple[str, ...] = field(default=(), compare=False)  # the proxy's own words
+    predicted: bool = False  # predict_ranks: a --dry-run on the machine model, no launch
 
     @property
     def proxy(self) -> str:
@@ -136,15 +146,23 @@ class Point:
 
     @property
     def id(self) -> str:
-        """Canonical identity: what resuming compares."""
-        return canonical(
-            {
-                "proxy": self.proxy,
-                "ranks": self.ranks,
-                "args": dict(self.args),
-                "repeat": self.repeat,
-            }
-        )
+        """Canonical identity: what resuming compares. A predicted point's includes the
+        machine model (its file's content, the overrides): change it and it is predicted
+        again. A measured point's does not: a new machine file does not repeat a
+        measurement (--fresh does)."""
+        ident = {
+            "proxy": self.proxy,
+            "ranks": self.ranks,
+            "args": dict(self.args),
+            "repeat": self.repeat,
+        }
+        if self.predicted and self.run.machine is not None:
+            ident.update(predicted=True, machine=self.run.machine.identity())
+        return canonical(ident)
+
+    @property
+    def machine_argv(self) -> tuple[str, ...]:
+        return tuple(self.run.machine.argv()) if self.run.machine else ()
 
     @property
     def series_id(self) -> str:
@@ -153,6 +171,8 @@ class Point:
     def describe(self) -> str:
         words = " ".join(f"{k}={v}" for k, v in self.args)
         rep = f" · repeat {self.repeat + 1}/{self.run.repeat}" if self.run.repeat > 1 else ""
+        if self.predicted:
+            rep = " · predicted"
         return f"{self.run.label} · {self.ranks} ranks · {words}{rep}"
 
     def record(self) -> dict:
@@ -167,6 +187,8 @@ class Point:
             "series": dict(self.series),
             "series_id": self.series_id,
             "scaling": self.run.scaling,
+            **({"predicted": True} if self.predicted else {}),
+            **({"machine": self.run.machine.file} if self.run.machine else {}),
         }
 
 
@@ -228,7 +250,7 @@ def from_dict(data: object, path: str) -> Sweep:
             entries.append((f"runs[{i}]", r))
     else:
         entries = [("", {})]
-    parsed = [run(key, defaults, r, fail) for key, r in entries]
+    parsed = [run(key, defaults, r, fail, path) for key, r in entries]
     counts = Counter(r.label for r in parsed)
     for i, r in enumerate(parsed):
         if counts[r.label] > 1:  # two runs of one proxy: number them, unless labelled
@@ -240,7 +262,7 @@ def from_dict(data: object, path: str) -> Sweep:
     return Sweep(path, name, tuple(parsed), launcher, description, pairs)
 
 
-def run(key: str, defaults: dict, own: dict, fail) -> Run:
+def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
     """One run: its own keys over the top-level defaults (args and env merge, skip adds)."""
     at = f"{key}." if key else ""
 
@@ -261,16 +283,18 @@ def run(key: str, defaults: dict, own: dict, fail) -> Run:
         fail(where, f"{proxy!r} is not a module name (e.g. gpt2, gpt3, cosmoflow, dlrm)")
 
     src, where = pick("ranks")
-    if "ranks" not in src:
+    psrc, pwhere = pick("predict_ranks")
+    if "ranks" not in src and "predict_ranks" not in psrc:
         fail(f"{at}ranks" if key else "ranks", "missing: the rank counts, e.g. [1, 2, 4]")
-    ranks = src["ranks"]
-    ranks = ranks if isinstance(ranks, list) else [ranks]
-    if not ranks or not all(isinstance(n, int) and not isinstance(n, bool) for n in ranks):
-        fail(where, f"expected positive integers, e.g. [1, 2, 4], got {src['ranks']!r}")
-    if min(ranks) < 1:
-        fail(where, f"rank counts must be positive, got {min(ranks)}")
-    if len(set(ranks)) != len(ranks):
-        fail(where, f"a rank count is listed twice: {ranks}")
+    ranks = rank_list(src, "ranks", where, fail)
+    predict_ranks = rank_list(psrc, "predict_ranks", pwhere, fail)
+    both = sorted(set(ranks) & set(predict_ranks))
+    if both:
+        fail(
+            pwhere,
+            f"{both[0]} is in ranks too (a measured point with a machine carries its "
+            "prediction already)",
+        )
 
     args: dict[str, tuple[object, str]] = {}
     for src, prefix in ((defaults, "args"), (own, f"{at}args")):
@@ -298,6 +322,9 @@ def run(key: str, defaults: dict, own: dict, fail) -> Run:
     scaling = value("scaling", str, "strong")
     if scaling not in ("strong", "weak"):
         fail(pick("scaling")[1], f"expected strong or weak, got {scaling!r}")
+    machine = machine_spec(path, at, defaults, own, pick, value, fail)
+    if predict_ranks and machine is None:
+        fail(pwhere, "predicting needs a machine model: add machine: FILE (configs/machines/)")
     return Run(
         key=key,
         label=value("label", str, proxy),
@@ -310,6 +337,56 @@ def run(key: str, defaults: dict, own: dict, fail) -> Run:
         skip=tuple(skip),
         scaling=scaling,
         precheck=value("precheck", bool, True),
+        machine=machine,
+        predict_ranks=tuple(sorted(predict_ranks)),
+    )
+
+
+def rank_list(src: dict, k: str, where: str, fail) -> list[int]:
+    if k not in src:
+        return []
+    ranks = src[k]
+    ranks = ranks if isinstance(ranks, list) else [ranks]
+    if not ranks or not all(isinstance(n, int) and not isinstance(n, bool) for n in ranks):
+        fail(where, f"expected positive integers, e.g. [1, 2, 4], got {src[k]!r}")
+    if min(ranks) < 1:
+        fail(where, f"rank counts must be positive, got {min(ranks)}")
+    if len(set(ranks)) != len(ranks):
+        fail(where, f"a rank count is listed twice: {ranks}")
+    return ranks
+
+
+def machine_spec(path: str, at: str, defaults: dict, own: dict, pick, value, fail):
+    """The run's machine model (None without `machine:`); machine_set merges like env."""
+    sets: dict[str, tuple[object, str]] = {}
+    for src, prefix in ((defaults, "machine_set"), (own, f"{at}machine_set")):
+        m = get(src, "machine_set", dict, {}, fail, prefix)
+        for k, v in m.items():
+            if not isinstance(k, str) or not k:
+                fail(prefix, f"expected KEY: VALUE with dotted keys, got {k!r}")
+            sets[k] = (v, f"{prefix}.{k}")
+    rpn = value("ranks_per_node", int, None)
+    if rpn is not None and rpn < 1:
+        fail(pick("ranks_per_node")[1], f"expected a positive integer, got {rpn}")
+    predict = value("predict", str, None)
+    if predict is not None and predict not in machines.PREDICT_MODES:
+        modes = ", ".join(machines.PREDICT_MODES)
+        fail(pick("predict")[1], f"expected one of {modes}, got {predict!r}")
+    file = value("machine", str, None)
+    if file is None:
+        for k, given in (("machine_set", sets), ("ranks_per_node", rpn), ("predict", predict)):
+            if given:
+                where = next(iter(sets.values()))[1] if k == "machine_set" else pick(k)[1]
+                fail(where, "goes with machine: FILE (a machine model to predict on)")
+        return None
+    return machines.spec(
+        path,
+        file,
+        pick("machine")[1],
+        sets,
+        None if rpn is None else (rpn, pick("ranks_per_node")[1]),
+        predict,
+        fail,
     )
 
 
@@ -449,10 +526,17 @@ def run_points(path: str, r: Run, info: ProxyArgs | None) -> list[Point]:
     checked: set[tuple[str, str]] = set()
     for combo in itertools.product(*choices):
         series = tuple(zip(dests, combo, strict=True))
-        for ranks in r.ranks:
+        # Measured rank counts, then predicted ones; a prediction is deterministic: one
+        # point whatever `repeat` says.
+        for ranks, predicted in [(n, False) for n in r.ranks] + [
+            (n, True) for n in r.predict_ranks
+        ]:
+            repeats = 1 if predicted else r.repeat
             if info is None:  # not installed: nothing to check, nothing to resolve
-                for i in range(r.repeat):
-                    points.append(Point(r, ranks, series, i, series, NOT_INSTALLED))
+                for i in range(repeats):
+                    points.append(
+                        Point(r, ranks, series, i, series, NOT_INSTALLED, predicted=predicted)
+                    )
                 continue
             values = {**info.defaults(), "ranks": ranks}
             literal = {d: v for d, v in series if not is_expr(v)}
@@ -491,8 +575,8 @@ def run_points(path: str, r: Run, info: ProxyArgs | None) -> list[Point]:
                 if reason:
                     break
             argv = tuple(info.argv(args))
-            for i in range(r.repeat):
-                points.append(Point(r, ranks, tuple(resolved), i, series, reason, argv))
+            for i in range(repeats):
+                points.append(Point(r, ranks, tuple(resolved), i, series, reason, argv, predicted))
     return points
 
 
