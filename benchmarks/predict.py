@@ -464,7 +464,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(
-                    {"host_cores": cores, "machine": summary, "mpi": mpi, "rows": rows},
+                    {
+                        "command": " ".join(["python", "benchmarks/predict.py", *sys.argv[1:]]),
+                        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                        "host_cores": cores,
+                        "machine": summary,
+                        "mpi": mpi,
+                        "seconds": total,
+                        "rows": rows,
+                    },
                     f,
                     indent=1,
                 )
