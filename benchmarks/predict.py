@@ -27,13 +27,13 @@ The configurations (small, seconds each on 2 cores; R even):
 - gpt2: GPT-2 124M widths (C=768, V=50257), 2 layers, 2 pipeline stages x R/2 data
   parallel, 4 micro-batches of 1 x 32 tokens: pipeline sends, the tied-embedding allreduce
   (V x C) between the stages, the data-parallel gradient allreduce when R > 2;
-- gpt3: gpt3-small widths, 2 layers, tensor parallel 2 x R/2 pipeline stages, 4 micro-batches
-  of 1 x 128 tokens: TP allreduces of B*T*C per layer, the vocabulary-parallel embedding and
-  loss, pipeline sends when R > 2;
+- gpt3: gpt3-medium widths, 2 layers (R/2 when more), tensor parallel 2 x R/2 pipeline
+  stages, 4 micro-batches of 1 x 512 tokens: TP allreduces of B*T*C per layer, the
+  vocabulary-parallel embedding and loss, pipeline sends when R > 2;
 - cosmoflow: the MLPerf model (128^3 x 4 volume, conv 32..512), 1x2 spatial shards x R/2
-  replicas, one sample per replica: halos, the dense layers' allgather / reduce-scatter, the
+  replicas, 4 samples per replica: halos, the dense layers' allgather / reduce-scatter, the
   conv and dense gradient allreduces (non-blocking, overlapping the backward);
-- dlrm: the C++ proxy's DLRM (4 tables x 80,000 x 128), global batch 8192, table-wise: the
+- dlrm: the C++ proxy's DLRM (4 tables x 80,000 x 128), global batch 32768, table-wise: the
   embedding all-to-alls forward and backward, the MLP gradient allreduces.
 
 The table: measured iteration (mean of the timed iterations, each the slowest rank's),
