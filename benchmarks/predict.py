@@ -454,8 +454,11 @@ def main(argv: list[str] | None = None) -> int:
                 print_progress(row)
         mpi = next((r["mpi"] for r in rows if r.get("mpi")), "")
         waits = sorted({f"{r['ranks']} ranks: {r['wait']}" for r in rows if r.get("wait")})
-        print(f"\n# predicted vs measured per iteration, {iters} timed after 1 warm-up · {mpi}")
-        print(f"# waits {', '.join(waits)} · * error above {args.target:g}%")
+        print(
+            f"\n# predicted vs measured per iteration, {iters} timed after 1 warm-up"
+            + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
+        )
+        print(f"# * error above {args.target:g}%")
         print_table(rows, args.target)
         if args.details:
             print_details(rows)
@@ -476,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                     f,
                     indent=1,
                 )
-    return 0
+    # every point was tried and shown; the status says whether all of them ran (as sweeps)
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
 def run_point_failed(point: Point, status: str) -> dict:

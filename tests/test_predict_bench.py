@@ -139,3 +139,30 @@ def test_bad_input(args, message):
     assert r.returncode == 2
     assert message in r.stderr
     assert r.stdout == ""
+
+
+def test_script_end_to_end(tmp_path):
+    # the whole script on one proxy: the none point, the rate from it, the model point, table
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "dlrm",
+           "--quick", "--json", str(out)]  # fmt: skip
+    r = launch.run(cmd, timeout=120)
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("# * error above 25%")[1]
+    assert table.count("dlrm-tiny B=64, row-wise") == 2 and " TF " in table
+    d = json.loads(out.read_text())
+    none, model = d["rows"]
+    assert (none["mode"], model["mode"]) == ("none", "model")
+    assert none["status"] == model["status"] == "ok"
+    assert model["tflops"] > 0 and d["machine"].startswith("one node")
+    assert d["command"].startswith("python benchmarks/predict.py --machine")
+
+
+def test_script_shows_failed_points(tmp_path):
+    cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "gpt2",
+           "--quick", "--timeout", "0.01"]  # fmt: skip
+    r = launch.run(cmd, timeout=60)
+    assert r.returncode == 1, r.stderr
+    table = r.stdout.split("# * error above 25%")[1]
+    assert "none            failed: timed out after 0.01 s" in table
+    assert "failed: no --device-tflops (the none point failed" in table
