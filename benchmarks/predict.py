@@ -1,0 +1,507 @@
+"""Predicted vs measured, for every proxy: each point runs for real with --machine FILE and the
+predictor's iteration is set beside the measured one.
+
+    python benchmarks/predict.py                          # calibrate, then ranks 2 and 4
+    python benchmarks/predict.py --machine configs/machines/one-node.yaml --ranks 2
+    python benchmarks/predict.py --quick                  # tiny presets: checks the pipeline
+
+Without --machine (or with --calibrate) it first runs
+`mpiexec -n <largest rank count> python -m proxies calibrate -o <tmp>/machine.yaml` and predicts
+with that file. Then for every proxy x rank count x compute mode it runs
+
+    mpiexec -n R python -m proxies.PROXY ARGS --compute MODE --iters 3 --warmup 1 \\
+        --machine FILE --json OUT
+
+(1 warm-up, 3 timed iterations, each under --timeout) and reads the measured
+(`iter_time_s`, `breakdown_s`) and predicted (`predicted_iter_time_s`,
+`predicted_breakdown_s`) fields of OUT. Modes:
+
+- `none`: communication only;
+- `model`: compute slept at FLOPs / --device-tflops. With `--tflops auto` (the default) the
+  rate is chosen so that the busiest rank's compute equals the measured `none` iteration of
+  the same point, i.e. compute is about half of the iteration: rate = (compute seconds the
+  predictor gives that rank at 1 TFLOP/s, from a --dry-run) / (measured `none` iteration).
+
+The configurations (small, seconds each on 2 cores; R even):
+
+- gpt2: GPT-2 124M widths (C=768, V=50257), 2 layers, 2 pipeline stages x R/2 data
+  parallel, 4 micro-batches of 1 x 32 tokens: pipeline sends, the tied-embedding allreduce
+  (V x C) between the stages, the data-parallel gradient allreduce when R > 2;
+- gpt3: gpt3-medium widths, 2 layers (R/2 when more), tensor parallel 2 x R/2 pipeline
+  stages, 4 micro-batches of 1 x 512 tokens: TP allreduces of B*T*C per layer, the
+  vocabulary-parallel embedding and loss, pipeline sends when R > 2;
+- cosmoflow: the MLPerf model (128^3 x 4 volume, conv 32..512), 1x2 spatial shards x R/2
+  replicas, 4 samples per replica: halos, the dense layers' allgather / reduce-scatter, the
+  conv and dense gradient allreduces (non-blocking, overlapping the backward);
+- dlrm: the C++ proxy's DLRM (4 tables x 80,000 x 128), global batch 32768, table-wise: the
+  embedding all-to-alls forward and backward, the MLP gradient allreduces.
+
+The table: measured iteration (mean of the timed iterations, each the slowest rank's),
+predicted, their relative error, and among the categories that take at least 10% of the
+measured iteration (mean over ranks; overlapped `_hidden` time excluded, it is not part of
+the iteration) the one the prediction misses most. --details adds every category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's proxies (machine files), as the runs use (cwd ROOT)
+PROXIES = ("gpt2", "gpt3", "cosmoflow", "dlrm")
+MODES = ("none", "model")
+SHARE = 0.10  # categories under this share of the iteration are not judged
+
+
+def mpiexec() -> str:
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if not found:
+        sys.exit("predict: mpiexec not found (activate the venv)")
+    return found
+
+
+@dataclass
+class Point:
+    proxy: str
+    config: str  # a short description for the table
+    args: list[str]  # the proxy's arguments, without mode, iterations, machine or json
+    ranks: int
+    mode: str = "none"
+    tflops: float | None = None  # --device-tflops, for mode model
+    extra: list[str] = field(default_factory=list)  # placement options (--ranks-per-node)
+
+
+def configs(proxy: str, ranks: int, quick: bool = False) -> tuple[str, list[str]]:
+    """The (description, arguments) of one proxy at R ranks (R even)."""
+    half = ranks // 2
+    if proxy == "gpt2":
+        model, t = ("gpt2-tiny", 16) if quick else ("gpt2", 32)
+        return (
+            f"{model} T={t}, 2 layers, pp 2 x dp {half}",
+            ["2", "2", "4", "--model", model, "--seq-len", str(t)],
+        )
+    if proxy == "gpt3":
+        model, t = ("gpt3-tiny", 16) if quick else ("gpt3-medium", 512)
+        layers = max(2, half)  # at least one layer per stage
+        return (
+            f"{model} T={t}, {layers} layers, tp 2 x pp {half}",
+            [str(layers), str(half), "--model", model, "--tp", "2", "--seq-len", str(t),
+             "--micro-batches", "4"],
+        )  # fmt: skip
+    if proxy == "cosmoflow":
+        model, per = ("cosmoflow-tiny", 1) if quick else ("cosmoflow", 4)
+        return (
+            f"{model}, 1x2 shards x dp {half}, {per} samples per replica",
+            ["--model", model, "--shards", "1x2", "--global-batch", str(per * half)],
+        )
+    if proxy == "dlrm":
+        model, batch = ("dlrm-tiny", 64) if quick else ("dnn-cpp-proxies", 32768)
+        # dlrm-tiny has fewer tables than 4 ranks may need: row-wise works at any size
+        sharding = "row" if quick else "table"
+        return (
+            f"{model} B={batch}, {sharding}-wise",
+            ["--model", model, "--batch", str(batch), "--sharding", sharding],
+        )
+    raise ValueError(proxy)
+
+
+def mode_args(point: Point) -> list[str]:
+    if point.mode == "none":
+        return ["--compute", "none"]
+    out = ["--compute", "model", "--device-tflops", f"{point.tflops:.6g}"]
+    # FLOPs / --device-tflops rather than the C++ proxy's A100 times, so the rate sets compute
+    if point.proxy == "cosmoflow":
+        out += ["--layer-times", "flops"]
+    if point.proxy == "dlrm":
+        out += ["--model-times", "flops"]
+    return out
+
+
+def command(point: Point, machine: str, json_path: str, iters: int, warmup: int) -> list[str]:
+    return [
+        mpiexec(), "-n", str(point.ranks), sys.executable, "-m", f"proxies.{point.proxy}",
+        *point.args, *mode_args(point), "--iters", str(iters), "--warmup", str(warmup),
+        "--machine", machine, *point.extra, "--quiet", "--json", json_path,
+    ]  # fmt: skip
+
+
+def execute(cmd: list[str], timeout: float):
+    """Run a command in its own process group, killed whole on timeout. Returns an object with
+    returncode, stdout, stderr (as tests/launch.run); raises TimeoutError."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise TimeoutError(f"timed out after {timeout:g} s") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:160] if lines else "no output"
+
+
+def compare(result: dict) -> dict:
+    """The row's numbers from a proxy's --json result with --machine."""
+    measured = statistics.fmean(result["iter_time_s"])
+    predicted = result["predicted_iter_time_s"]
+    pred_cats = result.get("predicted_breakdown_s", {})
+    cats = {}
+    for c, per_iter in result["breakdown_s"].items():
+        m = statistics.fmean(per_iter)
+        p = pred_cats.get(c, 0.0)  # a category the predictor has no figure for: it predicts 0
+        cats[c] = {
+            "measured_s": m,
+            "predicted_s": p,
+            "share": m / measured if measured else 0.0,
+            "error_pct": 100 * (p - m) / m if m else None,
+        }
+    judged = [
+        (c, v)
+        for c, v in cats.items()
+        if not c.endswith("_hidden") and v["share"] >= SHARE and v["error_pct"] is not None
+    ]
+    worst = max(judged, key=lambda cv: abs(cv[1]["error_pct"]), default=None)
+    return {
+        "measured_s": measured,
+        "measured_iters_s": result["iter_time_s"],
+        "predicted_s": predicted,
+        "error_pct": 100 * (predicted - measured) / measured,
+        "worst_category": worst[0] if worst else None,
+        "worst_category_error_pct": worst[1]["error_pct"] if worst else None,
+        "categories": cats,
+        "prediction": result.get("prediction", ""),
+        "mpi": result.get("mpi", {}).get("library", ""),
+        "wait": result.get("config", {}).get("wait", ""),
+    }
+
+
+def run_point(
+    point: Point,
+    machine: str,
+    *,
+    timeout: float = 120,
+    iters: int = 3,
+    warmup: int = 1,
+    run: Callable = execute,
+) -> dict:
+    """Run one point with --machine and --json; the row: the point, status ("ok", or why it
+    failed), and when ok the measured, predicted and error fields (see compare)."""
+    row = {
+        "proxy": point.proxy,
+        "config": point.config,
+        "ranks": point.ranks,
+        "mode": point.mode,
+        "tflops": point.tflops,
+    }
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = command(point, machine, out, iters, warmup)
+        row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
+        try:
+            r = run(cmd, timeout=timeout)
+        except (TimeoutError, AssertionError) as e:  # AssertionError: tests/launch.run's
+            row["status"] = f"failed: {str(e).splitlines()[0]}"
+            return row | {"wall_s": time.perf_counter() - t0}
+        row["wall_s"] = time.perf_counter() - t0
+        if r.returncode:
+            row["status"] = f"failed: exit {r.returncode}: {last_line(r.stderr or r.stdout)}"
+            return row
+        try:
+            with open(out) as f:
+                result = json.load(f)
+            row |= compare(result)
+        except (OSError, ValueError, KeyError) as e:
+            row["status"] = f"failed: no prediction in the result ({type(e).__name__}: {e})"
+            return row
+    row["status"] = "ok"
+    return row
+
+
+def compute_at_one_tflops(point: Point, machine: str, timeout: float = 120) -> float:
+    """Seconds of compute of the busiest rank at 1 TFLOP/s, from the predictor's dry run."""
+    model = Point(point.proxy, point.config, point.args, point.ranks, "model", 1.0, point.extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "dry.json")
+        cmd = [
+            sys.executable, "-m", f"proxies.{point.proxy}", *point.args, *mode_args(model),
+            "--dry-run", "--world-size", str(point.ranks), "--machine", machine,
+            *point.extra, "--json", out,
+        ]  # fmt: skip
+        r = execute(cmd, timeout)
+        if r.returncode:
+            raise RuntimeError(last_line(r.stderr or r.stdout))
+        with open(out) as f:
+            return json.load(f)["predicted_breakdown_max_s"]["compute"]
+
+
+def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "proxies", "calibrate", "-o", path]
+    cmd += ["--quick"] if quick else []
+    print(f"# mpiexec -n {ranks} python -m proxies calibrate -o {path}" + " --quick" * quick)
+    try:
+        r = execute(cmd, timeout)
+    except TimeoutError as e:
+        sys.exit(f"predict: calibrate {e}")
+    if r.returncode:
+        sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
+
+
+def machine_summary(path: str) -> tuple[str, list[str]]:
+    """A line of the machine file's key figures, and the placement options every point needs:
+    a one-node file (no inter_node) puts all of a point's ranks on that node, as here."""
+    from proxies.core import machine as machines
+
+    m = machines.load(path)
+    g = 1e9
+    parts = [
+        f"{m.name}: {m.ranks_per_node} ranks/node, {m.cores_per_node} cores/node",
+        f"intra {m.intra.latency * 1e6:.3g} us, {m.intra.bandwidth / g:.3g} GB/s"
+        + (f" (node {m.node_bandwidth / g:.3g} GB/s)" if m.node_bandwidth else ""),
+    ]
+    if m.inter is not None:
+        parts.append(f"inter {m.inter.latency * 1e6:.3g} us, {m.inter.bandwidth / g:.3g} GB/s")
+    parts.append(f"reduce {m.reduce_bandwidth / g:.3g} GB/s")
+    if m.matmul_flops:
+        parts.append(f"matmul {m.matmul_flops / g:.3g} GFLOP/s")
+    if m.mpi:
+        parts.append("mpi " + ", ".join(sorted(m.mpi)))
+    return " · ".join(parts), m.inter is None
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0f}%"
+
+
+def print_table(rows: list[dict], target: float) -> None:
+    head = ("proxy", "config", "ranks", "mode", "measured", "predicted", "error", "worst >=10%")
+    w = max([len(r["config"]) for r in rows] + [6])
+    print(
+        f"{head[0]:<9} {head[1]:<{w}} {head[2]:>5} {head[3]:<15} {head[4]:>9} "
+        f"{head[5]:>9} {head[6]:>7}  {head[7]}"
+    )
+    for r in rows:
+        mode = r["mode"] + (
+            f" {r['tflops']:.3g} TF" if r["mode"] == "model" and r["tflops"] else ""
+        )
+        lead = f"{r['proxy']:<9} {r['config']:<{w}} {r['ranks']:>5} {mode:<15}"
+        if r["status"] != "ok":
+            print(f"{lead} {r['status']}")
+            continue
+        worst = (
+            f"{r['worst_category']} {pct(r['worst_category_error_pct'])}"
+            if r["worst_category"]
+            else "-"
+        )
+        miss = "  *" if abs(r["error_pct"]) > target else ""
+        print(
+            f"{lead} {r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s "
+            f"{pct(r['error_pct']):>7}  {worst}{miss}"
+        )
+
+
+def print_details(rows: list[dict]) -> None:
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        print(f"\n# {r['proxy']} {r['config']}, {r['ranks']} ranks, {r['mode']}: {r['prediction']}")
+        print(f"  {'category':<24} {'measured':>9} {'predicted':>9} {'share':>6} {'error':>7}")
+        for c, v in r["categories"].items():
+            print(
+                f"  {c:<24} {v['measured_s']:8.4f}s {v['predicted_s']:8.4f}s "
+                f"{100 * v['share']:5.0f}% {pct(v['error_pct']):>7}"
+            )
+
+
+def rank_list(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or any(r < 2 or r % 2 for r in ranks):
+        raise argparse.ArgumentTypeError(
+            f"expected even rank counts >= 2, comma-separated (the configs use tp or pp 2), "
+            f"got {text!r}"
+        )
+    return sorted(set(ranks))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/predict.py", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--ranks", type=rank_list, default=[2, 4], help="rank counts (default 2,4)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--machine", metavar="FILE", help="predict with this machine file")
+    src.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate this machine first at the largest rank count (the default without "
+        "--machine)",
+    )
+    p.add_argument(
+        "--proxies",
+        default=",".join(PROXIES),
+        help=f"comma-separated subset of {','.join(PROXIES)} (default all)",
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of none,model")
+    p.add_argument(
+        "--tflops",
+        default="auto",
+        help="--device-tflops of the model points: a number, or auto (compute about half of "
+        "the iteration; needs the none point)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny presets, 1 timed iteration, calibrate --quick: checks that everything runs "
+        "(its errors say little: the iterations are a few ms)",
+    )
+    p.add_argument("--timeout", type=float, default=120, help="seconds per point (default 120)")
+    p.add_argument("--target", type=float, default=25, help="error %% marked * above (25)")
+    p.add_argument("--details", action="store_true", help="every category of every point")
+    p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
+    return p
+
+
+def subset(text: str, known: tuple[str, ...], option: str, p) -> list[str]:
+    chosen = [x for x in text.split(",") if x]
+    bad = [x for x in chosen if x not in known]
+    if bad or not chosen:
+        p.error(f"{option}: expected a subset of {','.join(known)}, got {text!r}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    proxies = subset(args.proxies, PROXIES, "--proxies", p)
+    modes = subset(args.modes, MODES, "--modes", p)
+    fixed = None
+    if args.tflops != "auto":
+        try:
+            fixed = float(args.tflops)
+        except ValueError:
+            fixed = -1.0
+        if not fixed > 0 or fixed == float("inf"):
+            p.error(f"--tflops: expected a positive number or auto, got {args.tflops!r}")
+    if args.machine and not os.path.isfile(args.machine):
+        p.error(f"--machine: no such file: {args.machine}")
+    iters = 1 if args.quick else 3
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        machine = args.machine
+        if machine is None:
+            machine = os.path.join(tmp, "machine.yaml")
+            calibrate(max(args.ranks), machine, args.quick, args.timeout)
+        try:
+            summary, one_node = machine_summary(machine)
+        except Exception as e:  # a bad file: the proxies would each refuse it the same way
+            sys.exit(f"predict: {e}")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        print(f"# host: {cores} cores · machine file {machine}")
+        print(f"# {summary}")
+        rows = []
+        for proxy in proxies:
+            for ranks in args.ranks:
+                config, pargs = configs(proxy, ranks, args.quick)
+                # a one-node machine file: all of the point's ranks share that node
+                extra = ["--ranks-per-node", str(ranks)] if one_node else []
+                base = Point(proxy, config, pargs, ranks, extra=extra)
+                none = None
+                if "none" in modes or (fixed is None and "model" in modes):
+                    none = run_point(base, machine, timeout=args.timeout, iters=iters)
+                    if "none" in modes:
+                        rows.append(none)
+                        print_progress(none)
+                if "model" not in modes:
+                    continue
+                model = Point(proxy, config, pargs, ranks, "model", fixed, extra)
+                if fixed is None:
+                    try:
+                        if none["status"] != "ok":
+                            raise RuntimeError("the none point failed, nothing to scale by")
+                        c1 = compute_at_one_tflops(base, machine, args.timeout)
+                        model.tflops = float(f"{c1 / none['measured_s']:.2g}")
+                    except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as e:
+                        row = run_point_failed(model, f"failed: no --device-tflops ({e})")
+                        rows.append(row)
+                        print_progress(row)
+                        continue
+                row = run_point(model, machine, timeout=args.timeout, iters=iters)
+                rows.append(row)
+                print_progress(row)
+        mpi = next((r["mpi"] for r in rows if r.get("mpi")), "")
+        waits = sorted({f"{r['ranks']} ranks: {r['wait']}" for r in rows if r.get("wait")})
+        print(
+            f"\n# predicted vs measured per iteration, {iters} timed after 1 warm-up"
+            + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
+        )
+        print(f"# * error above {args.target:g}%")
+        print_table(rows, args.target)
+        if args.details:
+            print_details(rows)
+        total = time.perf_counter() - started
+        print(f"# {len(rows)} points in {total:.0f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "command": " ".join(["python", "benchmarks/predict.py", *sys.argv[1:]]),
+                        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                        "host_cores": cores,
+                        "machine": summary,
+                        "mpi": mpi,
+                        "seconds": total,
+                        "rows": rows,
+                    },
+                    f,
+                    indent=1,
+                )
+    # every point was tried and shown; the status says whether all of them ran (as sweeps)
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+def run_point_failed(point: Point, status: str) -> dict:
+    return {
+        "proxy": point.proxy,
+        "config": point.config,
+        "ranks": point.ranks,
+        "mode": point.mode,
+        "tflops": point.tflops,
+        "status": status,
+    }
+
+
+def print_progress(row: dict) -> None:
+    what = (
+        f"{row['measured_s']:.4f} s measured, {row['predicted_s']:.4f} s predicted"
+        if row["status"] == "ok"
+        else row["status"]
+    )
+    print(f"# {row['proxy']} {row['ranks']} ranks {row['mode']}: {what}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
