@@ -121,6 +121,15 @@ def _job_prediction(module: str, argv: list[str], world: int, fold: str, m):
 @pytest.mark.parametrize(
     "module,argv,world,rpn",
     [
+        # data-parallel groups across nodes that hold no simulated rank; a symmetric and an
+        # asymmetric algorithm
+        ("gpt2", ["8", "2", "2", "--model", "gpt2", "--seq-len", "64", "--compute", "none"], 16, 2),
+        (
+            "gpt2",
+            ["8", "2", "2", "--model", "gpt2", "--allreduce", "tree", "--compute", "none"],
+            24,
+            2,
+        ),
         (
             "gpt2",
             ["8", "2", "4", "--model", "gpt2", "--seq-len", "64", "--compute", "model"],

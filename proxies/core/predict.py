@@ -182,6 +182,7 @@ class _Predictor:
         self._images: dict[tuple, int] = {}
         self._shapes: dict[tuple, object] = {}
         self._resumes: dict[tuple, dict] = {}  # (instance, rank) -> where its steps wait
+        self.rep_nodes = {topo.node(r) for r in self.plans}  # nodes holding a simulated rank
         self.detail = self._detail(detail)
 
     # --- scheduling ---------------------------------------------------------------------
@@ -516,6 +517,16 @@ class _Predictor:
         ph, members, topo = phases[k], inst.members, self.topo
         tail = ph.latency + ph.reduce_bytes / self.reduce_bw
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
+        if inst.folded and flows:
+            # Folded: a flow between two nodes holding no simulated rank is an image of one
+            # that touches such a node (every node runs images of the simulated ranks, at
+            # the same times, and those nodes carry everything else too): leave it out,
+            # unless the phase has no other (a broadcast's later levels).
+            rep_nodes = self.rep_nodes
+            near = [
+                f for f in flows if topo.node(f[0]) in rep_nodes or topo.node(f[1]) in rep_nodes
+            ]
+            flows = near or flows
         if not flows:
             self.at(t + tail, lambda: self._phase(inst, k + 1, t + tail))
             return
