@@ -187,7 +187,7 @@ def add_rates(comm, MPI, barrier, nbytes: int, reps: int) -> list[float]:
     return kernel_rate(comm, MPI, barrier, lambda: np.add(acc, recv, out=acc), acc.nbytes, reps)
 
 
-ALLREDUCE_SIZES = [8, 64 << 10, 1 << 20, 16 << 20]
+ALLREDUCE_SIZES = [8, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_ALLREDUCE_SIZES = [8, 64 << 10]
 
 
