@@ -145,6 +145,22 @@ def as_result(pred: Prediction, job, world: int) -> dict:
     }
 
 
+def dry_run_report(job, args, machine, console) -> dict | None:
+    """--dry-run --machine: predict, print the note and the predicted tables; the JSON
+    fields, or None (after saying why) when the plans cannot be predicted."""
+    from rich.markup import escape
+
+    try:
+        pred, note = run_prediction(job, args, machine)
+    except PlanError as e:
+        console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
+        return None
+    result = as_result(pred, job, job.grid.size)
+    console.print(note)
+    report.print_report(result, [], predicted=True)
+    return json_fields(pred, result, note)
+
+
 def json_fields(pred: Prediction, result: dict, note: str) -> dict:
     return {
         "predicted_iter_time_s": pred.time,

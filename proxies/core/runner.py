@@ -182,15 +182,10 @@ def dry_run(job: Job, args, machine=None) -> int:
         for c in sorted({c for b in by_rep.values() for c in b})
     }
     if machine is not None:
-        try:
-            pred, note = prediction.run_prediction(job, args, machine)
-        except PlanError as e:
-            console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
+        fields = prediction.dry_run_report(job, args, machine, console)
+        if fields is None:
             return 1
-        result = prediction.as_result(pred, job, world)
-        console.print(note)
-        report.print_report(result, [], predicted=True)
-        out |= prediction.json_fields(pred, result, note)
+        out |= fields
     if args.json:
         report.write_json(args.json, out)
     return 0

@@ -880,15 +880,9 @@ def dry_run(args, world: int, machine=None) -> int:
     if machine is not None:
         from proxies.core import prediction
 
-        try:
-            pred, note = prediction.run_prediction(job, args, machine)
-        except PlanError as e:
-            console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
+        predicted = prediction.dry_run_report(job, args, machine, console)
+        if predicted is None:
             return 1
-        result = prediction.as_result(pred, job, world)
-        console.print(note)
-        report.print_report(result, [], predicted=True)
-        predicted = prediction.json_fields(pred, result, note)
     if args.json:
         stage_of = [grid.coords(r)["pp"] for r in range(world)]
         by_stage = {s: p.bytes_by_category() for s, p in plans.items()}
