@@ -26,7 +26,7 @@ from functools import lru_cache
 
 from proxies.collectives.common import TAG, bounds
 from proxies.collectives.program import EMPTY, Builder, Program, S
-from proxies.collectives.rhd import fold, rank_of, virtual, virtual_blocks
+from proxies.collectives.rhd import doubling, fold, rank_of, virtual, virtual_blocks
 
 TAG_FOLD, TAG_RD, TAG_AG_FOLD, TAG_AG = TAG + 60, TAG + 61, TAG + 62, TAG + 63
 
@@ -68,17 +68,8 @@ def allgather(n: int, r: int, count: int) -> Program:
             b.wait(b.recv(r + 1, TAG_AG_FOLD, 0, count))
             return b.program()
         b.wait(b.recv(r - 1, TAG_AG_FOLD, off[r - 1], off[r]))
-    v, voff = virtual(r, rem), virtual_blocks(n, count)
-    lo, hi, mask = v, v + 1, 1
-    while mask < p:
-        size = hi - lo
-        olo, ohi = (lo - size, lo) if v & mask else (hi, hi + size)
-        peer = rank_of(v ^ mask, rem)
-        b.wait(
-            b.send(peer, TAG_AG, voff[lo], voff[hi]),
-            b.recv(peer, TAG_AG, voff[olo], voff[ohi]),
-        )
-        lo, hi, mask = min(lo, olo), max(hi, ohi), mask << 1
+    v = virtual(r, rem)
+    doubling(b, v, rem, p, virtual_blocks(n, count), TAG_AG, v, v + 1)
     if r < 2 * rem:
         b.wait(b.send(r - 1, TAG_AG_FOLD, 0, count))
     return b.program()

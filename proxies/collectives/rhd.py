@@ -49,6 +49,41 @@ def rank_of(v: int, rem: int) -> int:
     return 2 * v + 1 if v < rem else v + rem
 
 
+def halving(b: Builder, v: int, rem: int, p: int, off: list[int], tag: int) -> tuple[int, int]:
+    """Recursive halving among the p virtual ranks over shares `off` (p + 1 offsets): v's
+    window [lo, hi) of shares halves each step, the half it keeps summed with its
+    partner's copy. Returns the window left (v's own share)."""
+    lo, hi, mask = 0, p, p >> 1
+    while mask:
+        mid = (lo + hi) // 2
+        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
+        peer = rank_of(v ^ mask, rem)
+        b.wait(
+            b.send(peer, tag, off[slo], off[shi]),
+            b.recv(peer, tag, 0, off[khi] - off[klo], S),
+        )
+        b.add(off[klo], off[khi], 0)
+        lo, hi, mask = klo, khi, mask >> 1
+    return lo, hi
+
+
+def doubling(
+    b: Builder, v: int, rem: int, p: int, off: list[int], tag: int, lo: int, hi: int
+) -> None:
+    """Recursive doubling among the p virtual ranks over shares `off`: v's window
+    [lo, hi) of shares is exchanged with its partner's sibling window and doubles."""
+    mask = 1
+    while mask < p:
+        size = hi - lo
+        olo, ohi = (lo - size, lo) if v & mask else (hi, hi + size)
+        peer = rank_of(v ^ mask, rem)
+        b.wait(
+            b.send(peer, tag, off[lo], off[hi]),
+            b.recv(peer, tag, off[olo], off[ohi]),
+        )
+        lo, hi, mask = min(lo, olo), max(hi, ohi), mask << 1
+
+
 @lru_cache(maxsize=4096)
 def allreduce(n: int, r: int, count: int) -> Program:
     if n == 1 or count == 0:
@@ -68,29 +103,9 @@ def allreduce(n: int, r: int, count: int) -> Program:
     off = bounds(count, p)
 
     # -- reduce-scatter by recursive halving: window [lo, hi) of blocks halves each step
-    lo, hi, mask = 0, p, p >> 1
-    while mask:
-        mid = (lo + hi) // 2
-        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
-        peer = rank_of(v ^ mask, rem)
-        b.wait(
-            b.send(peer, TAG_RS, off[slo], off[shi]),
-            b.recv(peer, TAG_RS, 0, off[khi] - off[klo], S),
-        )
-        b.add(off[klo], off[khi], 0)
-        lo, hi, mask = klo, khi, mask >> 1
-
+    lo, hi = halving(b, v, rem, p, off, TAG_RS)
     # -- allgather by recursive doubling: the partner's window is our window's sibling
-    mask = 1
-    while mask < p:
-        size = hi - lo
-        olo, ohi = (lo - size, lo) if v & mask else (hi, hi + size)
-        peer = rank_of(v ^ mask, rem)
-        b.wait(
-            b.send(peer, TAG_AG, off[lo], off[hi]),
-            b.recv(peer, TAG_AG, off[olo], off[ohi]),
-        )
-        lo, hi, mask = min(lo, olo), max(hi, ohi), mask << 1
+    doubling(b, v, rem, p, off, TAG_AG, lo, hi)
 
     # -- unfold: give the folded neighbour its result
     if r < 2 * rem:
@@ -128,18 +143,7 @@ def reduce_scatter(n: int, r: int, count: int) -> Program:
             return b.program()
         b.wait(b.recv(r - 1, TAG_RH_FOLD, 0, count, S))
         b.add(0, count, 0)
-    v, voff = virtual(r, rem), virtual_blocks(n, count)
-    lo, hi, mask = 0, p, p >> 1
-    while mask:
-        mid = (lo + hi) // 2
-        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
-        peer = rank_of(v ^ mask, rem)
-        b.wait(
-            b.send(peer, TAG_RH, voff[slo], voff[shi]),
-            b.recv(peer, TAG_RH, 0, voff[khi] - voff[klo], S),
-        )
-        b.add(voff[klo], voff[khi], 0)
-        lo, hi, mask = klo, khi, mask >> 1
+    halving(b, virtual(r, rem), rem, p, virtual_blocks(n, count), TAG_RH)
     if r < 2 * rem:
         b.wait(b.send(r - 1, TAG_RH_FOLD, off[r - 1], off[r]))
     return b.program()
