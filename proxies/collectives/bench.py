@@ -150,7 +150,7 @@ def parser() -> cli.Parser:
     )
     g.add_argument(
         "--predict",
-        choices=("auto", "steps", "coarse"),
+        choices=cli.PREDICT_DETAILS,
         default="auto",
         help="with --machine: price every message (steps), aggregated phases (coarse), or "
         "steps while small (auto)",
@@ -289,12 +289,7 @@ def load_machine(args):
         if args.world_size:
             raise cli.UsageError("--world-size goes with --dry-run --machine FILE")
         return None
-    from proxies.core import machine as machines
-
-    try:
-        return machines.load(args.machine, args.machine_set, args.ranks_per_node)
-    except machines.MachineError as e:
-        raise cli.UsageError(str(e)) from None
+    return cli.load_machine(args.machine, args.machine_set, args.ranks_per_node)
 
 
 def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:

@@ -29,6 +29,8 @@ ALLREDUCE_ALGS = (
 )  # proxies.collectives
 # --dtype / --grad-dtype names -> the dtype names plans carry (see core/wire.py).
 WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# --predict: how collectives are priced on a machine model (see core/predict.py)
+PREDICT_DETAILS = ("auto", "steps", "coarse")
 
 # Launchers export the world rank under different names; MPI itself is not started yet.
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
@@ -276,7 +278,7 @@ def add_machine(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--predict",
-        choices=("auto", "steps", "coarse"),
+        choices=PREDICT_DETAILS,
         default="auto",
         help="with --machine: collectives priced message by message (steps: exact to the "
         "algorithm), by aggregated phases (coarse: scales to thousands of ranks), or steps "
@@ -294,10 +296,15 @@ def machine(args: argparse.Namespace) -> Machine | None:
             if given:
                 raise UsageError(f"{option} goes with --machine FILE")
         return None
+    return load_machine(args.machine, args.machine_set, args.ranks_per_node)
+
+
+def load_machine(path: str, overrides=(), ranks_per_node: int | None = None) -> Machine:
+    """A machine file with its overrides; a bad file or override is a UsageError."""
     from proxies.core import machine as machines
 
     try:
-        return machines.load(args.machine, args.machine_set, args.ranks_per_node)
+        return machines.load(path, overrides, ranks_per_node)
     except machines.MachineError as e:
         raise UsageError(str(e)) from None
 

@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.core.network import Flow, Flows, Topology
+from proxies.core.machine import ANY
+from proxies.core.network import PORT_OUT, Flow, Flows, Topology
 from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait, itemsize
 from proxies.core.report import HIDDEN
-from proxies.core.simulate import PlanError
+from proxies.core.simulate import PlanError, op_name
 
-DETAILS = ("auto", "steps", "coarse")
 STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages stay below this
 
 # What MPICH runs when the machine file does not say (its default selection, MPICH 4):
@@ -54,13 +54,13 @@ STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages st
 # allgather by recursive doubling up to 80 KiB in all, ring above; reduce-scatter by
 # recursive halving (commutative sums); all-to-all pairwise; binomial broadcast and reduce.
 MPICH_DEFAULTS: dict[str, list[tuple[int, str]]] = {
-    "allreduce": [(2048, "rd"), (1 << 63, "rhd")],
-    "allgather": [(80 << 10, "rd"), (1 << 63, "ring")],
-    "reduce_scatter": [(1 << 63, "rh")],
-    "alltoall": [(1 << 63, "pairwise")],
-    "alltoallv": [(1 << 63, "pairwise")],
-    "bcast": [(1 << 63, "binomial")],
-    "reduce": [(1 << 63, "binomial")],
+    "allreduce": [(2048, "rd"), (ANY, "rhd")],
+    "allgather": [(80 << 10, "rd"), (ANY, "ring")],
+    "reduce_scatter": [(ANY, "rh")],
+    "alltoall": [(ANY, "pairwise")],
+    "alltoallv": [(ANY, "pairwise")],
+    "bcast": [(ANY, "binomial")],
+    "reduce": [(ANY, "binomial")],
 }
 
 
@@ -212,7 +212,7 @@ class _Predictor:
             r = stuck[0]
             raise PlanError(
                 f"prediction stopped: {len(stuck)} rank(s) cannot progress, e.g. rank {r} at "
-                f"op {self.pc[r]} ({_name(self.plans[r].ops[self.pc[r]])}); the dry run "
+                f"op {self.pc[r]} ({op_name(self.plans[r].ops[self.pc[r]])}); the dry run "
                 f"without --machine names the cause"
             )
         for r, inst in self.blocking:
@@ -364,24 +364,23 @@ class _Predictor:
         if msg.nbytes == 0:
             self.at(start, lambda: finished(start))
             return
-        flow = Flow(
-            topo.links(msg.src, msg.dst),
-            msg.nbytes,
-            topo.cap(msg.src, msg.dst),
-            finished,
-            self._weights(msg.src, msg.dst, msg.members),
-        )
+        flow = self._flow(msg.src, msg.dst, msg.nbytes, finished, msg.members)
         self.at(start, lambda: self.flows.start(flow, start))
 
     # --- folding weights ----------------------------------------------------------------
 
-    def _weights(self, a: int, b: int, members) -> dict:
-        """Images sharing each shared link of a flow a -> b (none unfolded; none on the
-        ports within a node, every rank has its own)."""
+    def _flow(self, a: int, b: int, nbytes: int, done, members) -> Flow:
+        """A flow of nbytes from rank a to rank b over their path (members: the group of the
+        collective it belongs to, None for point-to-point)."""
+        links = self.topo.links(a, b)
+        return Flow(links, nbytes, self.topo.cap(a, b), done, self._weights(a, links, members))
+
+    def _weights(self, a: int, links: tuple, members) -> dict:
+        """Images sharing each shared link of a flow from rank a over `links` (none
+        unfolded; none on the ports within a node, every rank has its own)."""
         if self.rep_of is None:
             return {}
-        links = self.topo.links(a, b)
-        if self.topo.same_node(a, b):
+        if links[0][0] == PORT_OUT:  # within a node
             if len(links) == 3:  # the node's fabric as a whole
                 return {links[1]: self._images_on(a, 1, members)}
             return {}
@@ -429,7 +428,7 @@ class _Predictor:
         if not op.req:
             self.blocking.append((r, inst))
         if self.detail == "steps" and not inst.folded:
-            self._steps(inst, r, members.index(r), 0, t, set(), None)
+            self._steps(inst, r, members.index(r), 0, t, set())
         elif len(inst.posts) == inst.expected:
             self._phase(inst, 0, t)
 
@@ -466,7 +465,7 @@ class _Predictor:
             self._shapes[key] = shape
         return shape
 
-    def _steps(self, inst: _Instance, r: int, i: int, pos: int, t: float, done: set, wanted):
+    def _steps(self, inst: _Instance, r: int, i: int, pos: int, t: float, done: set):
         """Member i (world rank r) runs its steps of the algorithm from `pos` at time t."""
         program = self._shape("trace", inst)[i]
         members, isz = inst.members, itemsize(inst.op.dtype)
@@ -483,7 +482,7 @@ class _Predictor:
                     state = resume.get("wait")
                     if state is not None and state <= done:
                         del resume["wait"]
-                        self._steps(inst, r, i, resume.pop("pos"), end, done, None)
+                        self._steps(inst, r, i, resume.pop("pos"), end, done)
 
                 src, dst = (r, peer) if what == "send" else (peer, r)
                 self._post(tag, src, dst, elements * isz, what == "send", t, arrived, members)
@@ -498,9 +497,7 @@ class _Predictor:
                 d = ev[1] * isz / self.reduce_bw
                 pos += 1
                 if d > 0:
-                    self.at(
-                        t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done, None)
-                    )
+                    self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done))
                     return
             else:
                 raise PlanError(f"unknown step {ev!r} in {inst.alg} {inst.op.kind}")
@@ -537,23 +534,7 @@ class _Predictor:
             if left[0] == 0:
                 self.at(end + tail, lambda: self._phase(inst, k + 1, end + tail))
 
-        self.flows.start_many(
-            [
-                Flow(
-                    topo.links(a, b), nbytes, topo.cap(a, b), one_done, self._weights(a, b, members)
-                )
-                for a, b, nbytes in flows
-            ],
-            t,
-        )
-
-
-def _name(op: Op) -> str:
-    if isinstance(op, (Compute, P2P)):
-        return op.name
-    if isinstance(op, Collective):
-        return f"{op.kind} on {op.group}"
-    return f"wait {op.req}"
+        self.flows.start_many([self._flow(a, b, n, one_done, members) for a, b, n in flows], t)
 
 
 def predict(

@@ -6,7 +6,7 @@ proxy shares: what a compute op costs in each mode, which ranks are simulated, t
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,11 +76,13 @@ def run_prediction(
     fold: str = "auto",
     detail: str | None = None,
     keep_spans: bool = False,
+    plans: dict[int, Plan] | None = None,
 ) -> tuple[Prediction, str]:
     """Predict one iteration of the job; returns the prediction and a line saying what was
-    simulated and how."""
+    simulated and how. `plans`: any already built (rank -> plan), not built again."""
     world = job.grid.size
-    first = job.plan(0)
+    built = plans or {}
+    first = built.get(0) or job.plan(0)
     dims = fold_dims(job, world, len(first.ops), fold)
     rpn = machine_rpn(args, machine)
     topo = Topology(machine, rpn)
@@ -95,12 +97,12 @@ def run_prediction(
         ranks = sorted(set(rep_of.tolist()))
     else:
         rep_of, ranks = None, list(range(world))
-    plans = [first if r == 0 else job.plan(r) for r in ranks]
+    simulated = [first if r == 0 else built.get(r) or job.plan(r) for r in ranks]
     cost, how = compute_cost(args, machine, replay)
     algorithm = chooser(machine, args.allreduce)
     try:
         pred = predict(
-            plans,
+            simulated,
             topo,
             cost,
             algorithm,
@@ -125,14 +127,16 @@ def run_prediction(
     return pred, note
 
 
-def as_result(pred: Prediction, job, world: int) -> dict:
-    """The prediction in the shape of a measured result (one iteration), for the tables."""
+def as_result(pred: Prediction, job, world: int, plans: dict[int, Plan] | None = None) -> dict:
+    """The prediction in the shape of a measured result (one iteration), for the tables.
+    `plans`: any already built (rank -> plan), for the bytes each rank sends."""
+    built = plans or {}
     reps = sorted(pred.breakdown)
     labels = {r: job.label(r) for r in reps}
     cats = report.ordered({c for b in pred.breakdown.values() for c in b})
     rep_of = pred.rep_of if pred.rep_of is not None else np.arange(world)
     per_rank = {c: [pred.breakdown[int(rep_of[r])].get(c, 0.0) for r in range(world)] for c in cats}
-    plans_bytes = {r: job.plan(r).bytes_by_category() for r in reps}
+    plans_bytes = {r: (built.get(r) or job.plan(r)).bytes_by_category() for r in reps}
     byte_cats = sorted({c for b in plans_bytes.values() for c in b})
     return {
         "iter_time_s": [pred.time],
@@ -145,17 +149,18 @@ def as_result(pred: Prediction, job, world: int) -> dict:
     }
 
 
-def dry_run_report(job, args, machine, console) -> dict | None:
+def dry_run_report(job, args, machine, console, plans: dict[int, Plan] | None = None):
     """--dry-run --machine: predict, print the note and the predicted tables; the JSON
-    fields, or None (after saying why) when the plans cannot be predicted."""
+    fields, or None (after saying why) when the plans cannot be predicted. `plans`: any
+    already built (rank -> plan)."""
     from rich.markup import escape
 
     try:
-        pred, note = run_prediction(job, args, machine)
+        pred, note = run_prediction(job, args, machine, plans=plans)
     except PlanError as e:
         console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
         return None
-    result = as_result(pred, job, job.grid.size)
+    result = as_result(pred, job, job.grid.size, plans)
     console.print(note)
     report.print_report(result, [], predicted=True)
     return json_fields(pred, result, note)
@@ -225,16 +230,16 @@ def collective_seconds(
     return pred.time
 
 
-def validation_plans(job, world: int, plans_of: Callable[[int], Plan], dims) -> list[Plan]:
-    """Plans for the free-communication validation of a folded world: the representatives,
-    without the collectives of groups reaching outside them (their members run the same
-    plan op for op, so they can neither deadlock nor mismatch)."""
-    rep_of = representatives(job.grid, dims)
-    ranks = sorted(set(rep_of.tolist()))
-    inside, out = set(ranks), []
-    for r in ranks:
-        p = plans_of(r)
+def validation_plans(plans: Sequence[Plan]) -> tuple[list[Plan], set[str]]:
+    """Plans for the free-communication validation of a folded world, given the
+    representatives' plans: without the collectives of groups reaching outside them (their
+    members run the same plan op for op, so they can neither deadlock nor mismatch); and
+    the names of the groups left out."""
+    inside = {p.rank for p in plans}
+    out, cut = [], set()
+    for p in plans:
         keep = {n for n, members in p.groups.items() if inside.issuperset(members)}
+        cut |= set(p.groups) - keep
         group_of = {o.req: o.group for o in p.ops if isinstance(o, Collective) and o.req}
         ops = tuple(
             o
@@ -242,8 +247,8 @@ def validation_plans(job, world: int, plans_of: Callable[[int], Plan], dims) -> 
             if not (isinstance(o, Collective) and o.group not in keep)
             and not (isinstance(o, Wait) and group_of[o.req] not in keep)
         )
-        out.append(Plan(r, ops, {n: p.groups[n] for n in keep}, p.coords))
-    return out
+        out.append(Plan(p.rank, ops, {n: p.groups[n] for n in keep}, p.coords))
+    return out, cut
 
 
 __all__ = [

@@ -87,10 +87,8 @@ def dry_run(job: Job, args, machine=None) -> int:
     world = job.grid.size
     first = job.plan(0)
     dims = prediction.fold_dims(job, world, len(first.ops))
-    if dims:
-        reps = sorted(set(prediction.representatives(job.grid, dims).tolist()))
-    else:
-        reps = list(range(world))
+    rep_of = prediction.representatives(job.grid, dims) if dims else None
+    reps = sorted(set(rep_of.tolist())) if dims else list(range(world))
     plans = {r: first if r == 0 else job.plan(r) for r in reps}
     console = report.console()
     for line in job.header:
@@ -143,11 +141,7 @@ def dry_run(job: Job, args, machine=None) -> int:
         console.print(t)
 
     rate = args.device_tflops * 1e12
-    checked = (
-        prediction.validation_plans(job, world, plans.__getitem__, dims)
-        if dims
-        else list(plans.values())
-    )
+    checked = prediction.validation_plans(list(plans.values()))[0] if dims else list(plans.values())
     try:
         sim = simulate(
             checked,
@@ -175,14 +169,14 @@ def dry_run(job: Job, args, machine=None) -> int:
         "grid": job.grid.describe(),
         "free_comm_iter_time_s": sim.time,
     }
-    rep_of = prediction.representatives(job.grid, dims) if dims else range(world)
+    rep = rep_of if dims else range(world)
     by_rep = {r: p.bytes_by_category() for r, p in plans.items()}
     out["bytes"] = {
-        c: [by_rep[int(rep_of[r])].get(c, 0) for r in range(world)]
+        c: [by_rep[int(rep[r])].get(c, 0) for r in range(world)]
         for c in sorted({c for b in by_rep.values() for c in b})
     }
     if machine is not None:
-        fields = prediction.dry_run_report(job, args, machine, console)
+        fields = prediction.dry_run_report(job, args, machine, console, plans)
         if fields is None:
             return 1
         out |= fields

@@ -290,13 +290,13 @@ class _Sim:
         ops = self.plans[q].ops
         if self.pc[q] >= len(ops):
             return f"rank {q} has finished"
-        return f"rank {q} is blocked at op {self.pc[q]} {_op_name(ops[self.pc[q]])}"
+        return f"rank {q} is blocked at op {self.pc[q]} {op_name(ops[self.pc[q]])}"
 
     def _deadlock_report(self, unfinished: list[int]) -> str:
         lines = [f"deadlock: {len(unfinished)} of {len(self.plans)} ranks cannot progress"]
         for r in unfinished:
             op = self.plans[r].ops[self.pc[r]]
-            lines.append(f"  rank {r} at op {self.pc[r]} {_op_name(op)}: {self._waits_for(r)}")
+            lines.append(f"  rank {r} at op {self.pc[r]} {op_name(op)}: {self._waits_for(r)}")
         shown = unfinished[:GRID_RANKS] if len(self.plans) > GRID_RANKS else list(self.plans)
         lines.append("Compute actions executed so far (Step x Rank):")
         lines.append(format_grid({f"Rank {q}": self.labels[q] for q in sorted(shown)}))
@@ -348,7 +348,8 @@ class _Sim:
         )
 
 
-def _op_name(op: Op) -> str:
+def op_name(op: Op) -> str:
+    """One op in a diagnosis: "forward", "allreduce(dp) req 'dp0'", "Wait('dp0')" ..."""
     if isinstance(op, (Compute, P2P)):
         return op.name
     if isinstance(op, Collective):

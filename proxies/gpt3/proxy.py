@@ -54,7 +54,6 @@ from proxies.gpt3.templates import Templates
 PROG = "proxies.gpt3"
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 ORDERS = {"cpp": "pp-tp-ep-dp", "megatron": "tp-ep-dp-pp"}
-SIMULATE_OPS = 400_000  # dry run: simulate every rank up to this many ops in all
 REAL_MEMORY_FRACTION = 0.5  # real compute refuses models needing more of this machine's RAM
 
 
@@ -910,29 +909,16 @@ def dry_run(args, world: int, machine=None) -> int:
 
 
 def simulated_plans(job, S: Setup, grid: ProcessGrid, world: int, reps: dict) -> tuple:
-    """Plans to simulate: every rank while that stays small (SIMULATE_OPS ops in all), else
-    the ranks with tp = dp = 0 (every stage, every expert rank), without the collectives of
-    groups that reach outside them (tp, dp, edp). Those groups join ranks whose plans are the
-    same op for op, so they can neither deadlock nor mismatch."""
-    if world * len(reps[0].ops) <= SIMULATE_OPS:
+    """Plans to simulate: every rank while that stays small, else the ranks with
+    tp = dp = 0 (every stage, every expert rank), without the collectives of groups that
+    reach outside them (tp, dp, edp): see prediction.validation_plans."""
+    from proxies.core import prediction
+
+    dims = prediction.fold_dims(job, world, len(reps[0].ops))
+    if not dims:
         return [job.plan.__wrapped__(r) for r in range(world)], f"all {world} ranks"
-    ranks = sorted(
-        {grid.rank_of(pp=s, ep=e) for s in range(S.pp) for e in range(S.moe.ep if S.moe else 1)}
-    )
-    inside, cut = set(ranks), set()
-    out = []
-    for r in ranks:
-        p = job.plan(r)
-        keep = {n for n, members in p.groups.items() if inside.issuperset(members)}
-        cut |= set(p.groups) - keep
-        group_of = {o.req: o.group for o in p.ops if isinstance(o, Collective) and o.req}
-        ops = tuple(
-            o
-            for o in p.ops
-            if not (isinstance(o, Collective) and o.group not in keep)
-            and not (isinstance(o, Wait) and group_of[o.req] not in keep)
-        )
-        out.append(Plan(r, ops, {n: p.groups[n] for n in keep}, p.coords))
+    ranks = sorted(set(prediction.representatives(grid, dims).tolist()))
+    out, cut = prediction.validation_plans([job.plan(r) for r in ranks])
     note = (
         f"{len(ranks)} of {world} ranks (tp = dp = 0, every stage"
         + (" and expert rank" if S.moe else "")

@@ -15,8 +15,6 @@ import json
 import os
 from dataclasses import dataclass
 
-PREDICT_MODES = ("auto", "steps", "coarse")
-
 
 @dataclass(frozen=True)
 class MachineSpec:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
+from proxies.core.cli import PREDICT_DETAILS
 from proxies.sweep import expr, machines
 from proxies.sweep.proxyargs import ProxyArgs, lookup
 
@@ -369,8 +370,8 @@ def machine_spec(path: str, at: str, defaults: dict, own: dict, pick, value, fai
     if rpn is not None and rpn < 1:
         fail(pick("ranks_per_node")[1], f"expected a positive integer, got {rpn}")
     predict = value("predict", str, None)
-    if predict is not None and predict not in machines.PREDICT_MODES:
-        modes = ", ".join(machines.PREDICT_MODES)
+    if predict is not None and predict not in PREDICT_DETAILS:
+        modes = ", ".join(PREDICT_DETAILS)
         fail(pick("predict")[1], f"expected one of {modes}, got {predict!r}")
     file = value("machine", str, None)
     if file is None:
