@@ -50,19 +50,18 @@ def _flow(links, cap=math.inf, weight=None):
 def test_max_min_fair_share():
     # a: links 1+2, b: link 1, c: link 2 (capacity 1 each): everyone gets 1/2
     a, b, c = _flow("12"), _flow("1"), _flow("2")
-    on = {"1": {a, b}, "2": {a, c}}
-    rates = fair_share({a, b, c}, {"1", "2"}, lambda lk: 1.0, on)
+    rates = fair_share({a, b, c}, lambda lk: 1.0)
     assert rates == {a: 0.5, b: 0.5, c: 0.5}
     # link 2 twice as big: a still bottlenecked at 1/2 on link 1, c takes the rest of 2
-    rates = fair_share({a, b, c}, {"1", "2"}, lambda lk: {"1": 1.0, "2": 2.0}[lk], on)
+    rates = fair_share({a, b, c}, lambda lk: {"1": 1.0, "2": 2.0}[lk])
     assert rates[a] == rates[b] == 0.5 and rates[c] == 1.5
     # a flow capped below its share leaves the rest to the others
     a = _flow("1", cap=0.2)
-    rates = fair_share({a, b}, {"1"}, lambda lk: 1.0, {"1": {a, b}})
+    rates = fair_share({a, b}, lambda lk: 1.0)
     assert rates[a] == 0.2 and rates[b] == pytest.approx(0.8)
     # a flow standing for 3 images takes 3 shares
     a = _flow("1", weight={"1": 3.0})
-    rates = fair_share({a, b}, {"1"}, lambda lk: 1.0, {"1": {a, b}})
+    rates = fair_share({a, b}, lambda lk: 1.0)
     assert rates[a] == rates[b] == 0.25
 
 

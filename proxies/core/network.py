@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -136,9 +137,6 @@ class Flows:
         self.count = 0  # flows ever started (statistics)
         self.active: set[Flow] = set()
 
-    def __len__(self) -> int:
-        return len(self.active)
-
     def start(self, flow: Flow, t: float) -> None:
         """Flow starts at t (t never goes back: the caller runs events in time order)."""
         self.start_many([flow], t)
@@ -184,8 +182,8 @@ class Flows:
         for f in done:
             f.done(t)
 
-    def _component(self, links) -> tuple[set[Flow], set[tuple]]:
-        """Flows and links reachable from `links` through shared flows."""
+    def _component(self, links) -> set[Flow]:
+        """Flows reachable from `links` through shared links."""
         flows: set[Flow] = set()
         seen = set()
         todo = [lk for lk in links if lk in self.on_link]
@@ -198,13 +196,13 @@ class Flows:
                 if f not in flows:
                     flows.add(f)
                     todo.extend(lk for lk in f.links if lk not in seen)
-        return flows, seen
+        return flows
 
     def _rebalance(self, links) -> None:
-        flows, component = self._component(links)
+        flows = self._component(links)
         if not flows:
             return
-        rates = fair_share(flows, component, self.capacity, self.on_link)
+        rates = fair_share(flows, self.capacity)
         now = self.now
         for f in flows:
             r = rates[f]
@@ -219,19 +217,19 @@ class Flows:
                 heapq.heappush(self.heap, (finish, f.version, self.seq, f))
 
 
-def fair_share(flows, links, capacity, on_link) -> dict[Flow, float]:
+def fair_share(flows, capacity) -> dict[Flow, float]:
     """Max-min fair rates by progressive filling; a flow of weight w on a link takes w
     shares there (w identical flows), and never exceeds its own cap.
 
     The tightest constraint is taken from a heap of link shares (entries refreshed lazily
     as flows are fixed) and the flows sorted by cap: O((links + flows x path) log links)."""
-    left = {lk: capacity(lk) for lk in links}
-    load = dict.fromkeys(links, 0.0)
-    users: dict = {lk: [] for lk in links}
+    load: dict = defaultdict(float)
+    users: dict = defaultdict(list)
     for f in flows:
         for lk in f.links:
             load[lk] += f.weight.get(lk, 1.0)
             users[lk].append(f)
+    left = {lk: capacity(lk) for lk in load}
     heap = [(left[lk] / n, i, lk) for i, (lk, n) in enumerate(load.items()) if n > 0]
     heapq.heapify(heap)
     by_cap = sorted(flows, key=lambda f: f.cap)
