@@ -13,15 +13,17 @@ from launch import ROOT
 from proxies.core import cli
 from proxies.core.machine import (
     ANY,
-    MPI_ALGORITHMS,
+    MPI_KINDS,
     Level,
     Machine,
     MachineError,
     dump,
     dumps,
     load,
+    mpi_algorithms,
     parse_quantity,
 )
+from proxies.core.predict import MPICH_DEFAULTS
 from proxies.core.units import format_quantity
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "machines", "*.yaml")))
@@ -261,9 +263,22 @@ def test_file_level_errors(tmp_path, text, words):
         assert w in str(e.value)
 
 
-def test_mpi_algorithm_names_cover_ours():
-    assert set(cli.ALLREDUCE_ALGS) <= set(MPI_ALGORITHMS)
-    assert {"rd", "pairwise", "bruck", "binomial", "ring", "rhd"} <= set(MPI_ALGORITHMS)
+def test_mpi_algorithm_names_are_what_the_predictor_prices():
+    # every --allreduce algorithm of ours (not "mpi" itself) and every MPICH default
+    assert set(cli.ALLREDUCE_ALGS) - {"mpi"} <= set(mpi_algorithms("allreduce"))
+    for kind, table in MPICH_DEFAULTS.items():
+        if kind in MPI_KINDS:
+            assert {alg for _, alg in table} <= set(mpi_algorithms(kind))
+
+
+@pytest.mark.parametrize(
+    "kind,alg", [("allgather", "bruck"), ("allreduce", "mpi"), ("bcast", "ring")]
+)
+def test_mpi_table_rejects_what_cannot_be_priced(tmp_path, kind, alg):
+    path = write(tmp_path, copy.deepcopy(BASE) | {"mpi": {kind: alg}})
+    with pytest.raises(MachineError) as e:
+        load(path)
+    assert str(e.value).startswith(f"{path}: mpi.{kind}: entry 1: no {kind} algorithm")
 
 
 # -- overrides -----------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from proxies.core.cli import ALLREDUCE_ALGS
 from proxies.core.units import format_quantity, parse_quantity
 
 __all__ = ["Level", "Machine", "MachineError", "dump", "load", "parse_quantity"]
@@ -75,11 +74,16 @@ class Machine:
 
 ANY = 2**63  # "and above" in mpi thresholds
 MPI_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "reduce")
-# Algorithm names an `mpi:` entry may give: ours (proxies.collectives) and MPICH's usual
-# ones (rd = recursive doubling, rhd = recursive halving + doubling). The predictor may add.
-MPI_ALGORITHMS: tuple[str, ...] = tuple(
-    dict.fromkeys((*ALLREDUCE_ALGS, "rd", "pairwise", "bruck", "binomial", "ring", "rhd"))
-)
+
+
+def mpi_algorithms(kind: str) -> tuple[str, ...]:
+    """The algorithm names an `mpi:` entry of `kind` may give: those the predictor has a
+    program for (proxies.collectives.steps), so a table it cannot price fails here, naming
+    the file and key, not late inside a prediction."""
+    from proxies.collectives.steps import algorithms
+
+    return algorithms(kind)
+
 
 # section -> {key: kind}; kind is a units kind, "int" (positive integer) or "ratio" (>= 1)
 SECTIONS: dict[str, dict[str, str]] = {
@@ -183,11 +187,15 @@ def _mpi_table(c: _Checker, value: object) -> dict[str, list[tuple[int, str]]]:
             if not (isinstance(row, list) and len(row) == 2):
                 c.fail(key, f"entry {i}: expected [SIZE, ALG] like [2 KiB, tree], got {row!r}")
             size, alg = row
-            if alg not in MPI_ALGORITHMS:
-                close = difflib.get_close_matches(str(alg), MPI_ALGORITHMS, n=1)
+            known = mpi_algorithms(kind)
+            if alg not in known:
+                close = difflib.get_close_matches(str(alg), known, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
-                known = ", ".join(MPI_ALGORITHMS)
-                c.fail(key, f"entry {i}: unknown algorithm {alg!r} ({hint}choose from {known})")
+                c.fail(
+                    key,
+                    f"entry {i}: no {kind} algorithm {alg!r} ({hint}choose from "
+                    f"{', '.join(known)})",
+                )
             if size == "any":
                 if i != len(rows):
                     c.fail(key, f"entry {i}: 'any' (and above) must be the last entry")
