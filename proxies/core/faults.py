@@ -318,13 +318,13 @@ class RankFaults:
         if engine.mode == "real":
             t0 = time.perf_counter()
             engine.runtime.compute(op, engine.iteration)
-            extra = self.extra(time.perf_counter() - t0)
+            sleep = self.extra(time.perf_counter() - t0)
         elif engine.mode == "replay":
-            extra = self.seconds(engine.replay.get((op.name, op.chunk), 0.0))
+            sleep = self.seconds(engine.replay.get((op.name, op.chunk), 0.0))
         else:
-            extra = self.seconds(op.model_seconds(engine.rate))
-        if extra > 0:
-            time.sleep(extra)
+            sleep = self.seconds(op.model_seconds(engine.rate))
+        if sleep > 0:
+            time.sleep(sleep)
 
     def hold_message(self, peer: int, transfer: float) -> float:
         """Hold a received message (sleep) as --slow-link says; the seconds it took."""
