@@ -223,6 +223,9 @@ def add_common(
         "without asynchronous progress moves nothing during compute)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
+    from proxies.core.faults import add_faults  # (faults.py imports this module)
+
+    add_faults(p)  # --slow-rank, --jitter, --slow-link, --kill-rank
     add_machine(p)
 
 

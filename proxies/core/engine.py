@@ -40,6 +40,7 @@ import numpy as np
 
 from proxies import collectives
 from proxies.core import check, wire
+from proxies.core.faults import DELAY
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN
 
@@ -76,6 +77,8 @@ class IterationTimes:
     inflight: dict[str, list[tuple[float, float]]] = field(
         default_factory=lambda: defaultdict(list)
     )
+    # Idle per peer waited for (world rank -> seconds); see waits.py.
+    waited: dict[int, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def union_seconds(spans: list[tuple[float, float]]) -> float:
@@ -214,6 +217,7 @@ class Engine:
         wait: str = "spin",
         allreduce: str = "mpi",
         progress: str = "thread",
+        faults=None,
     ):
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
@@ -234,6 +238,7 @@ class Engine:
         self.progress_mode = progress if multiple else "test"
         self.progress: Progress | None = None
         self.staging = wire.Staging()
+        self.faults = faults  # faults.RankFaults of this rank: --slow-rank, --jitter ...
 
     def close(self) -> None:
         """Stop the progress thread (before MPI_Finalize)."""
@@ -243,6 +248,8 @@ class Engine:
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, op: Compute) -> None:
+        if self.faults is not None and self.faults.touches_compute:
+            return self.faults.compute(self, op)
         if self.mode == "real":
             self.runtime.compute(op, self.iteration)
         elif self.mode == "replay":
@@ -271,7 +278,7 @@ class Engine:
                     # After the checksum, one bit of the first element: the receiver must notice.
                     out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
             reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in _pieces(out)]
-        idle = 0.0
+        idle = held = 0.0
         for m in op.recvs:
             buf = self._buffer(m)
             into = self._narrow(buf, m.dtype, t, copy=False)
@@ -281,7 +288,9 @@ class Engine:
                 w0 = MPI.Wtime()
                 status = MPI.Status()
                 msg = self.waiter.probe(comm, m.peer, m.tag, status)
-                idle += MPI.Wtime() - w0
+                w1 = MPI.Wtime()
+                idle += w1 - w0
+                t.waited[m.peer] += w1 - w0  # waiting for the sender
                 n = status.Get_count(mpi_type)
                 if n != piece.size:
                     raise CheckError(
@@ -289,6 +298,8 @@ class Engine:
                         f"mb {m.mb} from rank {m.peer} (tag {m.tag}) but the message has {n}"
                     )
                 msg.Recv(wire.transport(piece))
+                if self.faults is not None and self.faults.links:
+                    held += self.faults.hold_message(m.peer, MPI.Wtime() - w1)
             if self.check:
                 self._verify_p2p(into, m)
             self._widen(into, buf, t)
@@ -299,7 +310,11 @@ class Engine:
         for out in staged:
             self.staging.release(out)
         t.seconds["idle"] += idle
-        t.seconds[op.category] += MPI.Wtime() - t0 - idle - (t.seconds.get(CAST, 0.0) - cast0)
+        if held:
+            t.seconds[DELAY] += held
+        t.seconds[op.category] += (
+            MPI.Wtime() - t0 - idle - held - (t.seconds.get(CAST, 0.0) - cast0)
+        )
 
     def _beat(self, what: str) -> None:
         if self.watchdog is not None:
@@ -535,6 +550,8 @@ class Engine:
         self.iteration = iteration
         t = IterationTimes()
         n = len(self.plan.ops)
+        if self.faults is not None:
+            self.faults.start_iteration(iteration)  # --kill-rank ends this process here
         start = MPI.Wtime()
         for i, op in enumerate(self.plan.ops):
             if self.watchdog is not None:

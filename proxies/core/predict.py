@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from proxies.core.faults import DELAY
 from proxies.core.machine import ANY
 from proxies.core.network import PORT_OUT, Flow, Flows, Topology
 from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait, itemsize
@@ -158,8 +159,10 @@ class _Predictor:
         detail: str,
         rep_of: np.ndarray | None,
         keep_spans: bool,
+        slow_links: dict[tuple[int, int], float] | None = None,
     ) -> None:
         self.plans = {p.rank: p for p in plans}
+        self.slow_links = slow_links or {}  # --slow-link: (low rank, high rank) -> factor
         if len(self.plans) != len(plans):
             raise PlanError("more than one plan for a rank")
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
@@ -306,18 +309,26 @@ class _Predictor:
         if left == 0:
             self._resume(r, t)
             return
-        state = [left, t]  # messages left, when the last was matched
+        # messages left, when the last was matched, the last arrival, the last with holds
+        state = [left, t, t, t]
 
         def one_done(end: float, m: _Msg) -> None:
             state[0] -= 1
             state[1] = max(state[1], m.matched)
+            state[2] = max(state[2], end)
+            # --slow-link, as the engine does it: the receiver holds the message (F - 1) x
+            # its transfer time
+            f = self.slow_links.get((min(m.src, m.dst), max(m.src, m.dst))) if m.dst == r else 0
+            state[3] = max(state[3], end + (f - 1) * (end - m.matched) if f else end)
             if state[0] == 0:
                 book = self.book[r]
                 book["idle"] += state[1] - t  # waiting for the peer to post
-                book[op.category] += end - state[1]
+                book[op.category] += state[2] - state[1]
+                if state[3] > state[2]:
+                    book[DELAY] += state[3] - state[2]
                 if self.keep_spans:
-                    self.spans[r].append((t, end, op))
-                self._resume(r, end)
+                    self.spans[r].append((t, state[3], op))
+                self._resume(r, state[3])
 
         for m in op.sends:
             self._post(("p", m.tag), r, m.peer, m.nbytes, True, t, one_done, None)
@@ -546,11 +557,14 @@ def predict(
     detail: str = "auto",
     rep_of: np.ndarray | None = None,
     keep_spans: bool = False,
+    slow_links: dict[tuple[int, int], float] | None = None,
 ) -> Prediction:
     """Run the plans on the topology's machine. `plans` are every rank's, or with `rep_of`
     (world rank -> representative) the representatives' only. Raises PlanError when the
-    plans cannot run (simulate.py gives the full diagnosis)."""
-    sim = _Predictor(plans, topo, compute, algorithm, detail, rep_of, keep_spans)
+    plans cannot run (simulate.py gives the full diagnosis). `slow_links`: --slow-link's
+    (low rank, high rank) -> factor; each point-to-point message between them is held by
+    its receiver for (factor - 1) x its transfer time, booked as fault_delay."""
+    sim = _Predictor(plans, topo, compute, algorithm, detail, rep_of, keep_spans, slow_links)
     sim.run()
     time = max(sim.finish.values(), default=0.0)
     breakdown = {}

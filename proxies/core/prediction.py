@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from proxies.core import cli, report
+from proxies.core import cli, faults, report
 from proxies.core.network import Topology
 from proxies.core.plan import Collective, Compute, Plan, Wait
 from proxies.core.predict import Prediction, chooser, predict, representatives
@@ -83,6 +83,8 @@ def run_prediction(
     world = job.grid.size
     built = plans or {}
     first = built.get(0) or job.plan(0)
+    perturbed = faults.of(args)  # --slow-rank, --jitter, --slow-link: ranks no longer alike
+    fold = "never" if perturbed is not None and perturbed.perturbs else fold
     dims = fold_dims(job, world, len(first.ops), fold)
     rpn = machine_rpn(args, machine)
     topo = Topology(machine, rpn)
@@ -99,6 +101,7 @@ def run_prediction(
         rep_of, ranks = None, list(range(world))
     simulated = [first if r == 0 else built.get(r) or job.plan(r) for r in ranks]
     cost, how = compute_cost(args, machine, replay)
+    cost, how = faults.perturbed_cost(perturbed, cost, how, args.warmup)
     algorithm = chooser(machine, args.allreduce)
     try:
         pred = predict(
@@ -109,6 +112,7 @@ def run_prediction(
             detail=detail or getattr(args, "predict", "auto") or "auto",
             rep_of=rep_of,
             keep_spans=keep_spans,
+            slow_links=perturbed.links if perturbed is not None else None,
         )
     except ValueError as e:  # a topology the machine cannot hold
         raise cli.UsageError(str(e)) from None

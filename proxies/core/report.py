@@ -34,6 +34,7 @@ LABELS = {
     "dense_allreduce": "dense-slice gradient allreduce (replicas)",
     "data": "synthetic data",
     "dtype_cast": "float32 <-> 16-bit wire casts",
+    "fault_delay": "fault delay (--slow-link holds)",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",
 }
@@ -80,7 +81,42 @@ def summarize(rows: list[dict]) -> dict:
         "breakdown_per_rank_s": {c: per[c].mean(axis=1).tolist() for c in cats},
         "bytes": {c: [int(r["bytes"].get(c, 0)) for r in rows] for c in byte_cats},
         "rank_labels": [r["label"] for r in rows],
+        **waited_for(rows),
     }
+
+
+def waited_for(rows: list[dict]) -> dict:
+    """`waited_for`: per rank, {peer: seconds per iteration} (waits.py), when measured."""
+    if not any("waited_for" in r for r in rows):
+        return {}
+    return {"waited_for": [r.get("waited_for", {}) for r in rows]}
+
+
+WAITS_SHOWN = 32  # ranks listed in the who-waited-for-whom table; beyond, the most idle
+PEERS_SHOWN = 3
+
+
+def print_waits(result: dict, out) -> None:
+    """Who waited for whom: each rank's idle and the peers it waited for most."""
+    from rich.table import Table
+
+    waited = result.get("waited_for")
+    idle = result["breakdown_per_rank_s"].get("idle")
+    if not waited or idle is None or len(waited) < 2 or not any(waited):
+        return
+    ranks = list(range(len(waited)))
+    title = f"who waited for whom: idle per rank and the {PEERS_SHOWN} peers it waited for most"
+    if len(ranks) > WAITS_SHOWN:
+        ranks = sorted(sorted(ranks, key=lambda r: -idle[r])[: WAITS_SHOWN // 2])
+        title += f" ({len(ranks)} of {len(waited)} ranks, the most idle; all in --json)"
+    t = Table(title=title + ", seconds per iteration", title_justify="left")
+    for col in ("rank", "stage", "idle", "waited for (rank: seconds)"):
+        t.add_column(col, justify="right" if col in ("rank", "idle") else "left")
+    labels = result["rank_labels"]
+    for r in ranks:
+        top = sorted(waited[r].items(), key=lambda kv: -kv[1])[:PEERS_SHOWN]
+        t.add_row(str(r), labels[r], f"{idle[r]:.4f}", "   ".join(f"{p}: {s:.4f}" for p, s in top))
+    out.print(t)
 
 
 def stats(values: list[float]) -> dict:
@@ -170,6 +206,7 @@ def print_report(
                 ),
             )
         out.print(t)
+    print_waits(result, out)
     if result.get("loss"):
         out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.core import cli, report, threads
+from proxies.core import cli, faults, report, threads, waits
 from proxies.core.engine import (
     HIDDEN,
     CheckError,
@@ -84,6 +84,7 @@ def dry_run(job: Job, args, machine=None) -> int:
     from proxies.core import prediction
     from proxies.core.simulate import PlanError, simulate
 
+    faults.attach(job, args)  # checked against the job; in the header and config
     world = job.grid.size
     first = job.plan(0)
     dims = prediction.fold_dims(job, world, len(first.ops))
@@ -342,6 +343,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         wait=wait,
         allreduce=args.allreduce,
         progress=args.progress,
+        faults=faults.for_engine(args, rank),
     )
 
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
@@ -359,6 +361,8 @@ def run(job: Job, args, MPI, machine=None) -> int:
     engine.close()
     job.config["progress"] = engine.progress_mode
     watchdog.beat("collecting results")
+    waits.attribute_collectives(MPI, comms, plan.groups, timed)
+    waits.attribute_tail(MPI, world, timed)
     split_collective_waits(MPI, comms, timed)
     book_overhead_and_tail(MPI, world, timed)
     cats = sorted({c for t in timed for c in t.seconds})
@@ -368,6 +372,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         "iter_s": [t.total for t in timed],
         "seconds": {c: [t.seconds.get(c, 0.0) for t in timed] for c in cats},
         "bytes": plan.bytes_by_category(),
+        "waited_for": waits.per_iteration(timed),
     }
     rows = world.gather(row, root=0)
     # replayed compute times per rank, for the prediction beside the measurement
@@ -447,6 +452,7 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     # others waiting in a collective: every rank reports, the lowest failing one prints.
     try:
         job, error = job_from_args(args, MPI.COMM_WORLD.size), None
+        faults.attach(job, args)  # checked against the job; in the header and config
     except cli.UsageError as e:
         job, error = None, str(e)
     mpi.agree(MPI.COMM_WORLD, error, parser.prog.removeprefix("python -m "))

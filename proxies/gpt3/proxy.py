@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, report, runner, threads
+from proxies.core import cli, faults, report, runner, threads
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -795,6 +795,7 @@ def dry_run(args, world: int, machine=None) -> int:
     from proxies.core.simulate import PlanError, simulate
 
     job = make_job(args, world)
+    faults.attach(job, args)  # checked against the job; in the header and config
     S, grid = _setup_of(job)
     console = report.console()
     for line in job.header:
@@ -938,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         machine = cli.use_machine(args)
         world = args.world_size or cli.env_world_size() or 1
         if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
-            make_job(args, world)  # bad input still exits 2 everywhere
+            faults.attach(make_job(args, world), args)  # bad input still exits 2 everywhere
             return 0
         return dry_run(args, world, machine)
     return runner.main(make_job, p, argv)
