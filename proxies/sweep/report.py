@@ -429,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         results.probe_directory(d)
     except OSError as e:
         return fail(f"{d}: cannot write the report there: {e.strerror}", exits.USAGE)
+    for out in (CSV_FILE, *PLOTS):
+        out = os.path.join(d, out)
+        if os.path.lexists(out) and not os.path.isfile(out):
+            return fail(
+                f"{out}: exists and is not a regular file (it would be replaced)", exits.USAGE
+            )
     try:
         records = results.load(path)
     except results.ResultsError as e:

@@ -4,7 +4,11 @@ A sweep file is trusted like a shell script (it names the commands to run), but 
 in it must end in one line, never in a traceback, a hang or a silent surprise:
 
 - only a regular file of at most MAX_FILE_BYTES is read (a FIFO or /dev/zero is refused
-  before it is read, so the sweep cannot block on it);
+  before it is read, so the sweep cannot block on it); PyYAML reads about 100 KB a second
+  here, so the bound is also one on time;
+- brackets ([ and {) may nest at most MAX_BRACKETS deep, counted before parsing: PyYAML's
+  scanner is quadratic in that depth (1,200 levels take 2 s, a file of them hours) and its
+  composer recursive (libyaml's crashes the process);
 - the bytes must be UTF-8: the error names the byte offset of the first bad byte;
 - a key given twice in one mapping is an error naming both lines (YAML keeps the last one
   silently, so `ranks:` written twice would sweep only the second list);
@@ -16,14 +20,17 @@ in it must end in one line, never in a traceback, a hang or a silent surprise:
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import yaml
 
-MAX_FILE_BYTES = 1 << 20
+MAX_FILE_BYTES = 256 << 10
+MAX_BRACKETS = 100
 MAX_VALUES = 100_000
 MAX_NESTING = 32
 MERGE_TAG = "tag:yaml.org,2002:merge"
+BRACKETS = re.compile(r"[\[\]{}]")
 
 
 class LoadError(ValueError):
@@ -61,6 +68,7 @@ class StrictLoader(yaml.SafeLoader):
 def read(path: str) -> object:
     """The YAML document in `path` as plain data; LoadError with one line otherwise."""
     text = read_text(path)
+    check_brackets(text, path)
     try:
         data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
     except DuplicateKey as e:
@@ -108,6 +116,18 @@ def read_text(path: str) -> str:
             f"(byte 0x{data[e.start]:02x})"
         ) from None
     return text.removeprefix("\ufeff")
+
+
+def check_brackets(text: str, path: str) -> None:
+    """Refuse flow collections nested deeper than MAX_BRACKETS. Quotes are not parsed: a
+    bracket inside a string counts too, which errs only towards refusing a file with a
+    hundred unclosed brackets in its strings."""
+    depth = 0
+    for m in BRACKETS.finditer(text):
+        depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
+        if depth > MAX_BRACKETS:
+            line = text.count("\n", 0, m.start()) + 1
+            raise LoadError(f"{path}: line {line}: brackets nested more than {MAX_BRACKETS} deep")
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:
