@@ -206,7 +206,8 @@ def test_runs_inherit_top_level_and_a_misspelt_proxy_is_an_error(tmp_path):
     assert msg == "runs[1].proxy: no proxy 'gtp2' (did you mean gpt2? proxies: " + (
         "collectives, cosmoflow, dlrm, gpt2, gpt3)"
     )
-    assert error(tmp_path, TINY.replace("gpt2", "zzz")).startswith("proxy: no proxy 'zzz' (proxies:")
+    msg = error(tmp_path, TINY.replace("gpt2", "zzz"))
+    assert msg.startswith("proxy: no proxy 'zzz' (proxies:")
 
 
 def test_expressions_are_safe_and_small():

@@ -28,7 +28,10 @@ DONE = ("ok", "failed", "timeout")  # statuses a rerun does not repeat (skips ar
 STATUSES = (*DONE, "skipped")
 MAX_LINE = 64 << 20  # bytes of one record: longer is not one of ours
 MAX_WARNINGS = 10  # bad lines named one by one; the rest are counted
+MAX_RANKS = 2**31 - 1  # an MPI int (and speed-ups divide by it as a float)
 MAX_SECONDS = 1e15  # a time beyond this is not a measurement (and would overflow sums)
+# The system calls that append a record, by name here so tests can make the disk full.
+write, fsync = os.write, os.fsync
 
 
 class ResultsError(Exception):
@@ -49,10 +52,10 @@ def append(path: str, record: dict) -> None:
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data
         try:
-            n = os.write(fd, data)
+            n = write(fd, data)
             if n != len(data):
                 raise OSError(errno.ENOSPC, f"No space left on device (wrote {n} of {len(data)})")
-            os.fsync(fd)
+            fsync(fd)
         except OSError as e:
             try:
                 os.ftruncate(fd, size)
@@ -138,8 +141,8 @@ def problem(rec: object) -> str | None:
     for key in ("args", "series"):
         if not isinstance(p.get(key), dict):
             return f"point.{key} is not an object"
-    if not (integer(p.get("ranks")) and p["ranks"] > 0):
-        return "point.ranks is not a positive integer"
+    if not (integer(p.get("ranks")) and 0 < p["ranks"] <= MAX_RANKS):
+        return "point.ranks is not a positive integer (an MPI int)"
     for key in ("index", "repeat"):
         if key in p and not integer(p[key]):
             return f"point.{key} is not an integer"

@@ -341,7 +341,8 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
     if not 0 < timeout <= MAX_TIMEOUT:  # nan and inf fail too
         fail(
             pick("timeout")[1],
-            f"expected a positive number of seconds up to {MAX_TIMEOUT:.0f} (a year), got {timeout}",
+            f"expected a positive number of seconds up to {MAX_TIMEOUT:.0f} (a year), "
+            f"got {timeout}",
         )
     label = value("label", str, proxy)
     if CONTROL_RE.search(label):
