@@ -233,6 +233,14 @@ def test_data_files_are_checked_up_front(tmp_path, capsys, monkeypatch):
     preflight.data_files(sw, points)
 
 
+def test_a_huge_value_in_a_message_is_clipped(tmp_path, capsys):
+    path = write(tmp_path, TINY.replace("[1, 2]", "x" * 100_000))
+    assert sweep(tmp_path, path, "--print-commands") == exits.USAGE
+    msg = one_line_error(capsys, path)
+    assert msg.startswith("ranks: expected positive integers, e.g. [1, 2, 4], got 'xxx")
+    assert "characters ...]" in msg and len(msg) < 2000
+
+
 OUTPUTS = [
     # (what, options (TMP: the test's folder), expected message)
     ("results is a file", ["--results", "TMP/file"], "--results: cannot write results to TMP/"),

@@ -84,8 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             return print_commands(sweep, points, args)
         return execute(sweep, points, args)
     except (SweepError, results.Locked, results.ResultsError) as e:
-        print(f"proxies sweep: error: {e}", file=sys.stderr)
+        print(f"proxies sweep: error: {clip(str(e))}", file=sys.stderr)
         return exits.USAGE
+
+
+def clip(message: str, limit: int = 2000) -> str:
+    """A message quoting a value from the file (a 200 KB string) stays a readable line."""
+    if len(message) <= limit:
+        return message
+    return f"{message[: limit - 500]} [... {len(message) - limit} characters ...] {message[-400:]}"
 
 
 def prepare(args) -> tuple[Sweep, list[Point]]:
