@@ -12,7 +12,7 @@ import pytest
 from launch import ROOT
 
 from proxies.sweep import expr, launch, report, results, runner
-from proxies.sweep.schema import NOT_INSTALLED, SweepError, expand, load
+from proxies.sweep.schema import SweepError, expand, load
 
 TINY = """
 name: t
@@ -196,19 +196,18 @@ def test_identity_is_canonical(tmp_path):
     }
 
 
-def test_runs_inherit_top_level_and_missing_proxy_is_skipped(tmp_path):
-    ps = points(
-        tmp_path,
-        TINY
-        + "runs:\n  - args: {layers: 1}\n    env: {X: 1}\n  - proxy: nosuchproxy\n"
-        + "    timeout: 5\n    args: {whatever: 3}\n",
+def test_runs_inherit_top_level_and_a_misspelt_proxy_is_an_error(tmp_path):
+    ps = points(tmp_path, TINY + "runs:\n  - args: {layers: 1}\n    env: {X: 1}\n  - timeout: 5\n")
+    assert [dict(p.args)["layers"] for p in ps] == [1, 1, 2, 2]
+    assert dict(ps[0].args)["model"] == "gpt2-tiny" and ps[0].run.env == (("X", "1"),)
+    assert ps[2].run.timeout == 5.0 and ps[0].run.timeout == 1800.0
+    # Not every point skipped with exit 0: the file is wrong, and the message says how.
+    msg = error(tmp_path, TINY + "runs:\n  - args: {layers: 1}\n  - proxy: gtp2\n")
+    assert msg == "runs[1].proxy: no proxy 'gtp2' (did you mean gpt2? proxies: " + (
+        "collectives, cosmoflow, dlrm, gpt2, gpt3)"
     )
-    gpt2 = [p for p in ps if p.proxy == "gpt2"]
-    assert [dict(p.args)["layers"] for p in gpt2] == [1, 1]
-    assert dict(gpt2[0].args)["model"] == "gpt2-tiny" and gpt2[0].run.env == (("X", "1"),)
-    other = [p for p in ps if p.proxy == "nosuchproxy"]
-    assert len(other) == 2 and all(p.skip == NOT_INSTALLED for p in other)
-    assert other[0].run.timeout == 5.0
+    msg = error(tmp_path, TINY.replace("gpt2", "zzz"))
+    assert msg.startswith("proxy: no proxy 'zzz' (proxies:")
 
 
 def test_expressions_are_safe_and_small():
@@ -287,13 +286,13 @@ def test_every_config_expands():
 
 def test_append_is_whole_lines_and_torn_lines_are_skipped(tmp_path, capsys):
     path = str(tmp_path / "r.jsonl")
-    results.append(path, {"point": {"id": "a"}, "status": "ok"})
+    results.append(path, record("a", 1, [1.0]))
     with open(path, "a") as f:
         f.write('{"point": {"id": "b"}, "sta')  # a crash mid-line
-    results.append(path, {"point": {"id": "c"}, "status": "ok"})
+    results.append(path, record("c", 1, [1.0]))
     got = results.load(path)
-    assert [r["point"]["id"] for r in got] == ["a", "c"]
-    assert "r.jsonl:2: skipping an incomplete line" in capsys.readouterr().err
+    assert [r["point"]["label"] for r in got] == ["a", "c"]
+    assert "r.jsonl:2: skipping a line: not a complete JSON record" in capsys.readouterr().err
 
 
 def record(label, ranks, t, status="ok", scaling="strong", repeat=0, series=None, **bd):

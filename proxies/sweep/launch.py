@@ -36,6 +36,8 @@ PRECHECK_TIMEOUT_S = 300.0
 def template(launcher: str) -> str:
     """The template for a launcher name or a template; ValueError says what is wrong."""
     t = LAUNCHERS.get(launcher.strip(), launcher)
+    if any(ord(c) < 32 or ord(c) == 127 for c in t):
+        raise ValueError(f"{launcher!r}: a launcher may not hold a newline or control character")
     try:
         words = shlex.split(t)
     except ValueError as e:
@@ -101,6 +103,7 @@ class Outcome:
     status: str  # ok | failed | timeout
     returncode: int | None
     elapsed_s: float
+    error: str = ""  # why it could not be started (returncode None)
 
 
 def run(
@@ -113,19 +116,26 @@ def run(
 ) -> Outcome:
     """Run cmd with stdout and stderr to files, calling `tick` about 4 times a second while
     it runs; past `timeout` seconds (or on any exception here, e.g. Ctrl-C) its whole
-    process group is ended."""
+    process group is ended. A command that cannot be started (not found, not executable,
+    arguments too long) is a failed outcome with the reason, also written to `err`; OSError
+    from opening the log files (a full disk) is raised: that is the sweep's own problem."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=fo,
-            stderr=fe,
-            env=env,
-            start_new_session=True,  # its own process group: a timeout ends all of it
-            preexec_fn=die_with_parent(),
-        )
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=fo,
+                stderr=fe,
+                env=env,
+                start_new_session=True,  # its own process group: a timeout ends all of it
+                preexec_fn=die_with_parent(),
+            )
+        except (OSError, ValueError) as e:
+            why = f"cannot start {cmd[0]}: {getattr(e, 'strerror', None) or e}"
+            fe.write((why + "\n").encode(errors="replace"))
+            return Outcome("failed", None, time.monotonic() - t0, why)
         try:
             while True:
                 try:
@@ -229,11 +239,14 @@ def dry_run(point: Point) -> str | None:
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
+            errors="replace",
             env=environment(point),
             timeout=PRECHECK_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         return None  # slow to plan is not impossible
+    except (OSError, ValueError):
+        return None  # cannot start: the point fails when launched, with the reason
     if r.returncode != 2:
         return None
     lines = [x.strip() for x in r.stderr.splitlines() if x.strip()]

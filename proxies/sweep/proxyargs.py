@@ -65,7 +65,7 @@ class ProxyArgs:
         text = fmt(value)
         try:
             converted = action.type(text) if callable(action.type) else text
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
             return str(e) or f"invalid value {text!r}"
         if action.choices is not None and converted not in action.choices:
             choices = ", ".join(map(str, action.choices))
@@ -119,6 +119,19 @@ def installed(proxy: str) -> bool:
         return importlib.util.find_spec(f"proxies.{proxy}.__main__") is not None
     except (ImportError, ValueError):
         return False
+
+
+TOOLS = ("sweep", "report", "calibrate")  # runnable, but not proxies a sweep launches
+
+
+def proxies() -> list[str]:
+    """The proxies installed: packages proxies.<name> with a __main__, tools left out."""
+    import pkgutil
+
+    import proxies as package
+
+    found = (m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
+    return sorted(n for n in found if n not in TOOLS and installed(n))
 
 
 def lookup(proxy: str) -> ProxyArgs | None:

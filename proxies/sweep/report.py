@@ -25,6 +25,7 @@ import statistics
 import sys
 from collections import Counter
 
+from proxies.core import exits
 from proxies.core.report import HIDDEN, console, ordered
 from proxies.core.report import label as category_label
 from proxies.sweep import results
@@ -70,7 +71,7 @@ def rows(records: list[dict]) -> list[dict]:
         predicted = bool(p.get("predicted"))
         row = {
             "label": p["label"],
-            "series": ", ".join(f"{k}={p['series'][k]}" for k in varying.get(p["label"], [])),
+            "series": ", ".join(f"{k}={p['series'].get(k)}" for k in varying.get(p["label"], [])),
             "series_id": p["series_id"],
             "proxy": p["proxy"],
             "scaling": p.get("scaling", "strong"),
@@ -149,12 +150,17 @@ def varying_args(records: list[dict]) -> dict[str, list[str]]:
 
 
 def reason(rec: dict) -> str:
+    """Why a point did not run or failed: the record's reason (a sweep writes one for every
+    such point: the exit status in words and the proxy's diagnosis), else (records of
+    earlier versions) from its status, exit status and stderr."""
+    if rec.get("reason"):
+        return rec["reason"]
     if rec["status"] == "skipped":
-        return rec.get("reason", "")
+        return ""
     if rec["status"] == "timeout":
         return f"timed out after {rec.get('timeout_s', '?')} s"
-    lines = [x for x in rec.get("stderr_tail", "").splitlines() if x.strip()]
-    return lines[-1].strip() if lines else f"exit status {rec.get('returncode')}"
+    line = results.diagnosis(rec.get("stderr_tail", ""))
+    return line or results.failure_reason(rec.get("returncode"), "")
 
 
 # -- output --------------------------------------------------------------------------------
@@ -250,17 +256,20 @@ def write_csv(table_rows: list[dict], path: str) -> None:
     cols += [f"breakdown_{c}_s" for c in cats] + [f"predicted_breakdown_{c}_s" for c in pcats]
     cols += ["machine", "args", "reason"]
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in table_rows:
-            row = {**r, "args": json.dumps(r["args"], sort_keys=True)}
-            row.update({f"breakdown_{c}_s": r["breakdown_s"].get(c) for c in cats})
-            row.update(
-                {f"predicted_breakdown_{c}_s": r["predicted_breakdown_s"].get(c) for c in pcats}
-            )
-            w.writerow(["" if row.get(c) is None else row[c] for c in cols])
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            for r in table_rows:
+                row = {**r, "args": json.dumps(r["args"], sort_keys=True)}
+                row.update({f"breakdown_{c}_s": r["breakdown_s"].get(c) for c in cats})
+                row.update(
+                    {f"predicted_breakdown_{c}_s": r["predicted_breakdown_s"].get(c) for c in pcats}
+                )
+                w.writerow(["" if row.get(c) is None else row[c] for c in cols])
+        os.replace(tmp, path)
+    finally:
+        remove(tmp)  # only left when writing failed (a full disk): no half file stays
 
 
 def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
@@ -366,16 +375,28 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
 
 def save(fig, path: str, plt) -> str:
     tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        remove(tmp)
     return path
 
 
-def report(directory: str, out=None) -> list[dict]:
-    """Table on stdout, CSV and plots in the directory; returns the rows."""
+def remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def report(directory: str, out=None, records: list[dict] | None = None) -> list[dict]:
+    """Table on stdout, CSV and plots in the directory; returns the rows. OSError when they
+    cannot be written (results.jsonl is only read)."""
     out = out or console()
-    records = results.load(os.path.join(directory, results.FILE))
+    if records is None:
+        records = results.load(os.path.join(directory, results.FILE))
     title = os.path.basename(os.path.normpath(directory))
     table_rows = rows(records)
     print_table(table_rows, title, out)
@@ -402,10 +423,31 @@ def main(argv: list[str] | None = None) -> int:
         d = os.path.dirname(d) or "."
     path = os.path.join(d, results.FILE)
     if not os.path.isfile(path):
-        print(f"proxies report: error: {path}: no such file (run a sweep first)", file=sys.stderr)
-        return 2
-    if not results.load(path, warn=False):
-        print(f"proxies report: error: {path}: no results yet", file=sys.stderr)
-        return 2
-    report(d)
-    return 0
+        return fail(f"{path}: no such file (run a sweep first)", exits.USAGE)
+    try:
+        # The CSV and plots go beside it: writable, before any work.
+        results.probe_directory(d)
+    except OSError as e:
+        return fail(f"{d}: cannot write the report there: {e.strerror}", exits.USAGE)
+    for out in (CSV_FILE, *PLOTS):
+        out = os.path.join(d, out)
+        if os.path.lexists(out) and not os.path.isfile(out):
+            return fail(
+                f"{out}: exists and is not a regular file (it would be replaced)", exits.USAGE
+            )
+    try:
+        records = results.load(path)
+    except results.ResultsError as e:
+        return fail(str(e), exits.USAGE)
+    if not records:
+        return fail(f"{path}: no usable records (run a sweep first)", exits.USAGE)
+    try:
+        report(d, records=records)
+    except OSError as e:
+        return fail(f"{e.filename or d}: cannot write the report: {e.strerror}", exits.FAILED)
+    return exits.OK
+
+
+def fail(message: str, status: int) -> int:
+    print(f"proxies report: error: {message}", file=sys.stderr)
+    return status

@@ -1,8 +1,11 @@
 """python -m proxies sweep FILE: expand a sweep file into points, launch each as its own MPI
 job, record each in results/<name>/results.jsonl as it finishes, then report.
 
-Exit status: 0 when every point ran (or was skipped by a rule), 1 when a point failed or
-timed out, 2 for a bad sweep file, 128 + signal when interrupted (rerun to resume).
+Exit status (proxies/core/exits.py): 0 when every point ran (or was skipped by a rule), 1
+when a point failed or timed out, or when a record could not be written (a full disk: the
+sweep stops, nothing torn stays; rerun to resume), 2 for a bad sweep file, bad options or an
+output that cannot be written (checked before the first point), 128 + signal when
+interrupted (rerun to resume).
 
 Points of `predict_ranks` are not launched: each is one process predicting its rank count
 on the run's machine model (`--dry-run --world-size N --machine FILE`); they are recorded,
@@ -12,6 +15,7 @@ resumed and reported like the others, marked predicted, and never size the alloc
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -22,7 +26,8 @@ import sys
 import time
 from dataclasses import replace
 
-from proxies.sweep import launch, results
+from proxies.core import exits
+from proxies.sweep import launch, preflight, results
 from proxies.sweep.schema import Point, Sweep, SweepError, expand, load
 
 PROG = "python -m proxies sweep"
@@ -73,18 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         sweep, points = prepare(args)
-    except SweepError as e:
-        print(f"proxies sweep: error: {e}", file=sys.stderr)
-        return 2
-    if args.sbatch:
-        return write_sbatch(sweep, points, args)
-    if args.print_commands:
-        return print_commands(sweep, points, args)
-    try:
+        if args.sbatch:
+            return write_sbatch(sweep, points, args)
+        if args.print_commands:
+            return print_commands(sweep, points, args)
         return execute(sweep, points, args)
-    except results.Locked as e:
-        print(f"proxies sweep: error: {e}", file=sys.stderr)
-        return 2
+    except (SweepError, results.Locked, results.ResultsError) as e:
+        print(f"proxies sweep: error: {clip(str(e))}", file=sys.stderr)
+        return exits.USAGE
+
+
+def clip(message: str, limit: int = 2000) -> str:
+    """A message quoting a value from the file (a 200 KB string) stays a readable line."""
+    if len(message) <= limit:
+        return message
+    return f"{message[: limit - 500]} [... {len(message) - limit} characters ...] {message[-400:]}"
 
 
 def prepare(args) -> tuple[Sweep, list[Point]]:
@@ -98,6 +106,7 @@ def prepare(args) -> tuple[Sweep, list[Point]]:
             raise SweepError(f"--launcher: {e}") from None
         sweep = replace(sweep, launcher=args.launcher)
     points = expand(sweep)
+    preflight.check(sweep, points, args)  # outputs, launcher, data files: before long work
     if args.no_precheck:
         return sweep, points
     rejected = launch.precheck(points)
@@ -124,6 +133,12 @@ def env_prefix(p: Point) -> str:
     return "".join(f"{k}={shlex.quote(v)} " for k, v in p.run.env)
 
 
+def comment(text: str) -> str:
+    """Text for a `#` line of a script: control characters (a newline would end the
+    comment and start a command) written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 # -- cluster use ---------------------------------------------------------------------------
 
 
@@ -132,13 +147,14 @@ def print_commands(sweep: Sweep, points: list[Point], args) -> int:
     runnable = [p for p in points if not p.skip]
     predicted = sum(p.predicted for p in runnable)
     print(
-        f"# sweep {sweep.name} ({sweep.path}): {len(points)} points, {len(runnable)} to run, "
+        f"# sweep {sweep.name} ({comment(sweep.path)}): {len(points)} points, "
+        f"{len(runnable)} to run, "
         f"{len(points) - len(runnable)} skipped"
         + (f"; {predicted} predicted, one process each, no launcher" if predicted else "")
     )
     for i, p in enumerate(points):
         if p.skip:
-            print(f"# skipped: {p.describe()}: {p.skip}")
+            print(comment(f"# skipped: {p.describe()}: {p.skip}"))
             continue
         cmd = launch.command(p, sweep.launcher, os.path.join(outdir, f"{tag(i, p)}.json"))
         print(env_prefix(p) + launch.shell(cmd))
@@ -150,14 +166,12 @@ def write_sbatch(sweep: Sweep, points: list[Point], args) -> int:
     and timeouts work there as here. Sized for the largest point and the sum of timeouts."""
     runnable = [p for p in points if not p.skip]
     if not runnable:
-        print("proxies sweep: error: every point is skipped: nothing to submit", file=sys.stderr)
-        return 2
+        raise SweepError("every point is skipped: nothing to submit")
     # Predicted points run inside the job too (their time counts) but on one core: the
     # allocation is sized by the measured points only.
     ranks = max((p.ranks for p in runnable if not p.predicted), default=1)
     seconds = int(sum(p.run.timeout for p in runnable)) + 600
     outdir = os.path.abspath(os.path.join(args.results, sweep.name))
-    os.makedirs(outdir, exist_ok=True)  # Slurm opens --output before the job starts
     options = {
         "job-name": f"proxies-{sweep.name}",
         "ntasks": str(ranks),
@@ -166,6 +180,10 @@ def write_sbatch(sweep: Sweep, points: list[Point], args) -> int:
         "output": os.path.join(outdir, "slurm-%j.out"),
         **dict(sweep.sbatch),
     }
+    for k, v in options.items():  # one line each: a newline (here, in --results) adds a line
+        if not v.isprintable():
+            what = f"sbatch.{k}" if k in dict(sweep.sbatch) else "--results"
+            raise SweepError(f"{what}: {v!r}: a newline or control character cannot go in #SBATCH")
     passed = ["--results", os.path.abspath(args.results)]
     passed += ["--launcher", sweep.launcher] if args.launcher else []
     passed += [
@@ -175,19 +193,31 @@ def write_sbatch(sweep: Sweep, points: list[Point], args) -> int:
     sweep_cmd = [sys.executable, "-m", "proxies", "sweep", os.path.abspath(sweep.path), *passed]
     lines = [
         "#!/bin/bash",
-        f"# Sweep {sweep.name} ({sweep.path}): {len(runnable)} points to run, up to {ranks} "
-        f"ranks, launched with: {launch.template(sweep.launcher)}",
-        f"# Written by: {PROG} {shlex.join(sys.argv[1:]) if sys.argv[1:] else sweep.path}",
+        comment(
+            f"# Sweep {sweep.name} ({sweep.path}): {len(runnable)} points to run, up to "
+            f"{ranks} ranks, launched with: {launch.template(sweep.launcher)}"
+        ),
+        comment(f"# Written by: {PROG} {shlex.join(sys.argv[1:]) if sys.argv[1:] else sweep.path}"),
         *(f"#SBATCH --{k}={v}" for k, v in options.items()),
         "set -euo pipefail",
         f"cd {shlex.quote(os.getcwd())}",
         "exec " + shlex.join(sweep_cmd),
     ]
-    with open(args.sbatch, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.chmod(args.sbatch, 0o755)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(args.sbatch)), f".sbatch-{os.getpid()}")
+    try:
+        os.makedirs(outdir, exist_ok=True)  # Slurm opens --output before the job starts
+        with open(tmp, "w") as f:  # whole, then renamed: never half a script
+            f.write("\n".join(lines) + "\n")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, args.sbatch)
+    except OSError as e:
+        print(f"proxies sweep: error: --sbatch {args.sbatch}: {e.strerror}", file=sys.stderr)
+        return exits.FAILED
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {args.sbatch}: sbatch {args.sbatch}")
-    return 0
+    return exits.OK
 
 
 # -- running -------------------------------------------------------------------------------
@@ -199,64 +229,29 @@ class Stop(BaseException):
 
 def execute(sweep: Sweep, points: list[Point], args) -> int:
     outdir = os.path.join(args.results, sweep.name)
-    os.makedirs(outdir, exist_ok=True)
-    with results.Lock(outdir):
-        jsonl = os.path.join(outdir, results.FILE)
-        if args.fresh:
-            for old in (jsonl, os.path.join(outdir, "report.csv")):
-                if os.path.exists(old):
-                    os.remove(old)
-            shutil.rmtree(os.path.join(outdir, "logs"), ignore_errors=True)
-        # tmp/ holds the JSON of points in flight; under the lock none is ours or alive.
-        shutil.rmtree(os.path.join(outdir, "tmp"), ignore_errors=True)
-        for sub in ("logs", "tmp"):
-            os.makedirs(os.path.join(outdir, sub), exist_ok=True)
-        shutil.copyfile(sweep.path, os.path.join(outdir, "sweep.yaml"))
-        last = results.latest(results.load(jsonl))
+    jsonl = os.path.join(outdir, results.FILE)
+    try:
+        os.makedirs(outdir, exist_ok=True)
+        with results.Lock(outdir):
+            code = execute_locked(sweep, points, args, outdir, jsonl)
+    except OSError as e:  # the sweep's own writes: records, logs (a full disk)
+        return stopped(e, jsonl, len(points))
+    if code is not None:
+        return code
 
-        todo, before, skipped = [], 0, 0
-        for i, p in enumerate(points):
-            prev = last.get(p.id)
-            if p.skip:
-                skipped += 1
-                if not (prev and prev["status"] == "skipped" and prev.get("reason") == p.skip):
-                    results.append(jsonl, skip_record(i, p))
-            elif (
-                prev
-                and prev["status"] in results.DONE
-                and not (args.retry_failed and prev["status"] != "ok")
-            ):
-                before += 1
-            else:
-                todo.append((i, p))
-        print(
-            f"sweep {sweep.name}: {len(points)} points: {len(todo)} to run, {before} done "
-            f"before, {skipped} skipped · results in {jsonl}",
-            flush=True,
-        )
-
-        def stop(signum, frame):
-            raise Stop(signum)
-
-        old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            run_points(sweep, todo, outdir, jsonl)
-        except (KeyboardInterrupt, Stop) as e:
-            done = len(results.latest(results.load(jsonl, warn=False)))
-            print(
-                f"\ninterrupted: {done} points are recorded in {jsonl}; run the same command "
-                "again to resume",
-                file=sys.stderr,
-            )
-            return 128 + (e.args[0] if isinstance(e, Stop) else signal.SIGINT)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
+    status = exits.OK
     if not args.no_report:
         from proxies.sweep import report
 
-        report.report(outdir)
+        try:
+            report.report(outdir)
+        except OSError as e:
+            print(
+                f"proxies sweep: error: cannot write the report: {e.filename or outdir}: "
+                f"{e.strerror} (python -m proxies report {outdir} writes it again)",
+                file=sys.stderr,
+            )
+            status = exits.FAILED
     final = results.latest(results.load(jsonl))
     bad = [
         final[p.id]
@@ -272,13 +267,89 @@ def execute(sweep: Sweep, points: list[Point], args) -> int:
             file=sys.stderr,
         )
         for rec in bad:
-            print(f"  {rec['status']}: {rec['describe']}", file=sys.stderr)
+            why = f": {rec['reason']}" if rec.get("reason") else ""
+            print(
+                f"  {rec['status']}: {rec.get('describe', rec['point']['id'])}{why}",
+                file=sys.stderr,
+            )
         print(
             f"logs in {os.path.join(outdir, 'logs')}; --retry-failed runs them again",
             file=sys.stderr,
         )
-        return 1
-    return 0
+        return exits.FAILED
+    return status
+
+
+def execute_locked(sweep: Sweep, points: list[Point], args, outdir: str, jsonl: str) -> int | None:
+    """Record skips, run what is not done; an exit status when interrupted, else None."""
+    if args.fresh:
+        for old in (jsonl, os.path.join(outdir, "report.csv")):
+            if os.path.exists(old):
+                os.remove(old)
+        shutil.rmtree(os.path.join(outdir, "logs"), ignore_errors=True)
+    # tmp/ holds the JSON of points in flight; under the lock none is ours or alive.
+    shutil.rmtree(os.path.join(outdir, "tmp"), ignore_errors=True)
+    for sub in ("logs", "tmp"):
+        os.makedirs(os.path.join(outdir, sub), exist_ok=True)
+    shutil.copyfile(sweep.path, os.path.join(outdir, "sweep.yaml"))
+    last = results.latest(results.load(jsonl))
+
+    todo, before, skipped = [], 0, 0
+    for i, p in enumerate(points):
+        prev = last.get(p.id)
+        if p.skip:
+            skipped += 1
+            if not (prev and prev["status"] == "skipped" and prev.get("reason") == p.skip):
+                results.append(jsonl, skip_record(i, p))
+        elif (
+            prev
+            and prev["status"] in results.DONE
+            and not (args.retry_failed and prev["status"] != "ok")
+        ):
+            before += 1
+        else:
+            todo.append((i, p))
+    print(
+        f"sweep {sweep.name}: {len(points)} points: {len(todo)} to run, {before} done "
+        f"before, {skipped} skipped · results in {jsonl}",
+        flush=True,
+    )
+
+    def stop(signum, frame):
+        raise Stop(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run_points(sweep, todo, outdir, jsonl)
+    except (KeyboardInterrupt, Stop) as e:
+        done = len(results.latest(results.load(jsonl, warn=False)))
+        print(
+            f"\ninterrupted: {done} points are recorded in {jsonl}; run the same command "
+            "again to resume",
+            file=sys.stderr,
+        )
+        return 128 + (e.args[0] if isinstance(e, Stop) else signal.SIGINT)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return None
+
+
+def stopped(e: OSError, jsonl: str, total: int) -> int:
+    """The sweep could not write (a full disk): one line saying so and what is recorded.
+    Nothing recorded is lost and no line is torn (results.append), so a rerun resumes."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    what = "the disk is full" if full else (e.strerror or str(e))
+    try:
+        done = len(results.latest(results.load(jsonl, warn=False)))
+    except results.ResultsError:
+        done = 0
+    print(
+        f"proxies sweep: error: {what} ({e.filename or jsonl}): stopped with {done} of {total} "
+        f"points recorded in {jsonl}; free space and run the same command again to resume",
+        file=sys.stderr,
+    )
+    return exits.FAILED
 
 
 def skip_record(i: int, p: Point) -> dict:
@@ -392,6 +463,16 @@ def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> 
                 rec["stderr_tail"] = f"exit status 0 but no predicted_iter_time_s in {json_path}"
     if outcome.status != "ok" or rec["status"] != "ok":
         rec["stderr_tail"] = rec.get("stderr_tail") or launch.tail(err)
+        # In words, for the summary line and the report: the exit status's meaning (a rank
+        # died, no progress, corruption, loss not finite ...) and the proxy's diagnosis.
+        if outcome.status == "timeout":
+            rec["reason"] = f"timed out after {p.run.timeout:g} s"
+        elif outcome.error:
+            rec["reason"] = outcome.error
+        elif outcome.status != "ok":
+            rec["reason"] = results.failure_reason(outcome.returncode, rec["stderr_tail"])
+        else:
+            rec["reason"] = rec["stderr_tail"]
     results.append(jsonl, rec)
     if os.path.exists(json_path):
         os.remove(json_path)
@@ -413,6 +494,4 @@ def summary(rec: dict) -> str:
         )
     if rec["status"] == "timeout":
         return f"{what}: TIMEOUT after {rec['timeout_s']:g} s"
-    lines = [x for x in rec.get("stderr_tail", "").splitlines() if x.strip()]
-    last = lines[-1].strip() if lines else ""
-    return f"{what}: FAILED (exit status {rec['returncode']}) {last}"
+    return f"{what}: FAILED: {rec['reason']}"

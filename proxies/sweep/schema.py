@@ -19,24 +19,26 @@ A sweep names a proxy (or several under `runs:`), rank counts and a matrix of ar
     predict_ranks: [1024, 4096]    # predicted only (one --dry-run process each), no launch
 
 Every problem is a SweepError "FILE: KEY: problem" (exit 2), raised before anything runs.
+Bounds keep a mistake from exploding: at most MAX_POINTS points and MAX_REPEAT repeats; the
+file itself is read by yamlfile (size, UTF-8, duplicate keys, nesting) and expressions are
+bounded by expr.
 A point is (proxy, ranks, resolved args, repeat index); its identity for resuming is the
 canonical JSON of those four (and, for a predicted point, of the machine model).
 """
 
 from __future__ import annotations
 
-import itertools
+import difflib
 import json
+import math
 import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-import yaml
-
 from proxies.core.cli import PREDICT_DETAILS
-from proxies.sweep import expr, machines
-from proxies.sweep.proxyargs import ProxyArgs, lookup
+from proxies.sweep import expr, machines, yamlfile
+from proxies.sweep.proxyargs import installed, lookup, proxies
 
 RUN_KEYS = {
     "label": "a name for this run in tables (default: the proxy)",
@@ -69,8 +71,14 @@ RULES = {
     "proxy_rejects": "true: skip points the proxy's --dry-run rejects, its message the reason",
 }
 DEFAULT_TIMEOUT = 1800.0
+MAX_POINTS = 10_000  # points of one sweep, skipped ones included
+MAX_REPEAT = 1_000
+MAX_TIMEOUT = 365 * 86400.0  # seconds: a year; finite, so --sbatch can add them up
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PROXY_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a POSIX environment variable name
+SBATCH_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")  # a long option of sbatch, no dashes
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 EXPR_RE = re.compile(r"^\{(.+)\}$", re.S)
 NOT_INSTALLED = "proxy module not installed"
 
@@ -203,15 +211,9 @@ def canonical(obj: object) -> str:
 def load(path: str) -> Sweep:
     """Read and validate a sweep file (types and keys; points come from `expand`)."""
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise SweepError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise SweepError(f"{path}: {where}not valid YAML: {problem}") from None
+        data = yamlfile.read(path)
+    except yamlfile.LoadError as e:
+        raise SweepError(str(e)) from None
     return from_dict(data, path)
 
 
@@ -235,14 +237,21 @@ def from_dict(data: object, path: str) -> Sweep:
         fail("launcher", str(e))
     sbatch = get(data, "sbatch", dict, {}, fail)
     for k, v in sbatch.items():
-        if not isinstance(k, str) or not scalar(v) or isinstance(v, bool):
+        if not isinstance(k, str) or not scalar(v) or isinstance(v, bool) or v is None:
             fail(f"sbatch.{k}", "expected option: value, e.g. partition: debug")
+        if not SBATCH_RE.match(k):
+            fail(f"sbatch.{k}", "expected a long option of sbatch without dashes, e.g. partition")
+        # Each becomes a line `#SBATCH --k=v` of the script: a newline would add a line.
+        if CONTROL_RE.search(str(v)):
+            fail(f"sbatch.{k}", f"{v!r}: a value may not hold a newline or control character")
 
     defaults = {k: data[k] for k in RUN_KEYS if k in data}
     if "runs" in data:
         runs = data["runs"]
         if not isinstance(runs, list) or not runs:
             fail("runs", f"expected a non-empty list of runs, got {kind(runs)}")
+        if len(runs) > MAX_POINTS:
+            fail("runs", f"{len(runs)} runs: a sweep may have at most {MAX_POINTS} points")
         entries = []
         for i, r in enumerate(runs):
             if not isinstance(r, dict):
@@ -258,6 +267,7 @@ def from_dict(data: object, path: str) -> Sweep:
             if "label" in entries[i][1] or "label" in defaults:
                 fail(f"{r.key}.label", f"{r.label!r} is used by another run (labels name series)")
             parsed[i] = replace(r, label=f"{r.label}#{i}")
+    count_points(parsed, fail)
     description = get(data, "description", str, "", fail)
     pairs = tuple((str(k), str(v)) for k, v in sbatch.items())
     return Sweep(path, name, tuple(parsed), launcher, description, pairs)
@@ -282,6 +292,11 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
     proxy = value("proxy", str, None)
     if not PROXY_RE.match(proxy):
         fail(where, f"{proxy!r} is not a module name (e.g. gpt2, gpt3, cosmoflow, dlrm)")
+    if not installed(proxy):
+        known = proxies()
+        close = difflib.get_close_matches(proxy, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        fail(where, f"no proxy {proxy!r} ({hint}proxies: {', '.join(known)})")
 
     src, where = pick("ranks")
     psrc, pwhere = pick("predict_ranks")
@@ -308,6 +323,11 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
         for k, v in e.items():
             if not isinstance(k, str) or not scalar(v) or isinstance(v, bool) or v is None:
                 fail(f"{prefix}.{k}", f"expected a string or number, got {v!r} (quote it)")
+            if not ENV_RE.match(k):
+                fail(
+                    f"{prefix}.{k}",
+                    "not a variable name (letters, digits and _, not first a digit)",
+                )
             env[k] = str(v)
 
     skip: list[Rule] = []
@@ -315,11 +335,18 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
         skip += parse_rules(src.get("skip", []), prefix, fail)
 
     repeat = value("repeat", int, 1)
-    if repeat < 1:
-        fail(pick("repeat")[1], f"expected a positive integer, got {repeat}")
+    if not 1 <= repeat <= MAX_REPEAT:
+        fail(pick("repeat")[1], f"expected 1 to {MAX_REPEAT} repeats, got {repeat}")
     timeout = value("timeout", (int, float), DEFAULT_TIMEOUT)
-    if not timeout > 0:
-        fail(pick("timeout")[1], f"expected a positive number of seconds, got {timeout}")
+    if not 0 < timeout <= MAX_TIMEOUT:  # nan and inf fail too
+        fail(
+            pick("timeout")[1],
+            f"expected a positive number of seconds up to {MAX_TIMEOUT:.0f} (a year), "
+            f"got {timeout}",
+        )
+    label = value("label", str, proxy)
+    if CONTROL_RE.search(label):
+        fail(pick("label")[1], f"{label!r}: a label may not hold a newline or control character")
     scaling = value("scaling", str, "strong")
     if scaling not in ("strong", "weak"):
         fail(pick("scaling")[1], f"expected strong or weak, got {scaling!r}")
@@ -328,7 +355,7 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
         fail(pwhere, "predicting needs a machine model: add machine: FILE (configs/machines/)")
     return Run(
         key=key,
-        label=value("label", str, proxy),
+        label=label,
         proxy=proxy,
         ranks=tuple(sorted(ranks)),
         args=tuple((k, v, w) for k, (v, w) in args.items()),
@@ -341,6 +368,25 @@ def run(key: str, defaults: dict, own: dict, fail, path: str = "") -> Run:
         machine=machine,
         predict_ranks=tuple(sorted(predict_ranks)),
     )
+
+
+def count_points(runs: list[Run], fail) -> None:
+    """Refuse a sweep of more than MAX_POINTS points before any is made: the count is
+    arithmetic on the list lengths (YAML aliases can make a small file a huge product)."""
+    total = 0
+    for r in runs:
+        combos = math.prod(len(v) if isinstance(v, tuple) else 1 for _, v, _ in r.args)
+        n = combos * (len(r.ranks) * r.repeat + len(r.predict_ranks))
+        total += n
+        if total > MAX_POINTS:
+            what = (
+                f"{combos} argument combinations x ({len(r.ranks)} rank counts x "
+                f"{r.repeat} repeats + {len(r.predict_ranks)} predicted)"
+            )
+            more = "" if total == n else f", {total} in all"
+            fail(
+                r.key or "args", f"{n} points ({what}{more}): a sweep may have at most {MAX_POINTS}"
+            )
 
 
 def rank_list(src: dict, k: str, where: str, fail) -> list[int]:
@@ -491,95 +537,11 @@ def kind(v: object) -> str:
     return "nothing" if v is None else words.get(type(v), f"a {type(v).__name__}")
 
 
-# -- expansion -----------------------------------------------------------------------------
+# -- expansion (proxies/sweep/expansion.py) --------------------------------------------------
 
 
 def expand(sweep: Sweep, proxy_args=lookup) -> list[Point]:
-    """Every point of the sweep, in order: runs, then argument combinations, then ranks,
-    then repeats. Arguments are checked against the proxy's parser; rules mark skips."""
-    points: list[Point] = []
-    seen: dict[str, str] = {}
-    for r in sweep.runs:
-        try:
-            info = proxy_args(r.proxy)
-        except ImportError as e:
-            where = f"{r.key}.proxy" if r.key else "proxy"
-            raise SweepError(f"{sweep.path}: {where}: {e}") from None
-        for p in run_points(sweep.path, r, info):
-            if p.id in seen:
-                raise SweepError(
-                    f"{sweep.path}: {r.key or 'args'}: point {p.describe()} is also made by "
-                    f"{seen[p.id] or 'the top level'}: each point must be unique"
-                )
-            seen[p.id] = r.key
-            points.append(p)
-    return points
+    """Every point of the sweep, in order (see expansion.expand)."""
+    from proxies.sweep import expansion  # it builds on this module's types
 
-
-def run_points(path: str, r: Run, info: ProxyArgs | None) -> list[Point]:
-    def fail(key: str, problem: str):
-        raise SweepError(f"{path}: {key}: {problem}")
-
-    dests = [d for d, _, _ in r.args]
-    where = {d: w for d, _, w in r.args}
-    choices = [v if isinstance(v, tuple) else (v,) for _, v, _ in r.args]
-    points = []
-    checked: set[tuple[str, str]] = set()
-    for combo in itertools.product(*choices):
-        series = tuple(zip(dests, combo, strict=True))
-        # Measured rank counts, then predicted ones; a prediction is deterministic: one
-        # point whatever `repeat` says.
-        for ranks, predicted in [(n, False) for n in r.ranks] + [
-            (n, True) for n in r.predict_ranks
-        ]:
-            repeats = 1 if predicted else r.repeat
-            if info is None:  # not installed: nothing to check, nothing to resolve
-                for i in range(repeats):
-                    points.append(
-                        Point(r, ranks, series, i, series, NOT_INSTALLED, predicted=predicted)
-                    )
-                continue
-            values = {**info.defaults(), "ranks": ranks}
-            literal = {d: v for d, v in series if not is_expr(v)}
-            values.update(literal)
-            resolved = []
-            for d, v in series:
-                if is_expr(v):
-                    try:
-                        v = expr.evaluate(EXPR_RE.match(v).group(1), values)
-                    except expr.ExprError as e:
-                        fail(where[d], f"at ranks = {ranks}: {e}")
-                    if isinstance(v, float) and v.is_integer():
-                        v = int(v)
-                    values[d] = v
-                resolved.append((d, v))
-            for d, v in resolved:
-                if (d, repr(v)) in checked:
-                    continue
-                problem = info.check(d, v)
-                if problem:
-                    shown = f" = {v!r} (at ranks = {ranks})" if is_expr(dict(series)[d]) else ""
-                    fail(where[d] + shown, problem)
-                checked.add((d, repr(v)))
-            args = dict(resolved)
-            gap = info.positional_gap(args)
-            if gap:
-                order = " ".join(info.positionals)
-                fail(
-                    f"{r.key + '.' if r.key else ''}args",
-                    f"{gap} is left out but a later positional is given (they go in order: "
-                    f"{order})",
-                )
-            reason = None
-            for rule in r.skip:
-                reason = rule.reason(values, path)
-                if reason:
-                    break
-            argv = tuple(info.argv(args))
-            for i in range(repeats):
-                points.append(Point(r, ranks, tuple(resolved), i, series, reason, argv, predicted))
-    return points
-
-
-def is_expr(v: object) -> bool:
-    return isinstance(v, str) and bool(EXPR_RE.match(v))
+    return expansion.expand(sweep, proxy_args)
