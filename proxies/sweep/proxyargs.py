@@ -121,7 +121,9 @@ def installed(proxy: str) -> bool:
         return False
 
 
-TOOLS = ("sweep", "report", "calibrate")  # runnable, but not proxies a sweep launches
+# Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of
+# sizes and bandwidths, not the iteration times a sweep records and reports.
+TOOLS = ("sweep", "report", "calibrate", "collectives")
 
 
 def proxies() -> list[str]:
