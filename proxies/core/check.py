@@ -29,9 +29,10 @@ smallest subnormal, W_b = sum_{i in b} w_i, and
 A correct result holds |sum_{i in b} w_i y_i - T_b| <= tol_b and |y_s - x_s| <= tol_s:
 summing n values in any order errs by at most gamma_{n-1} = (n-1)u/(1-(n-1)u) times the sum
 of their magnitudes (Higham, Accuracy and Stability, eq. 4.4; u = eps/2, one rounding per
-addition, or for bf16/fp16 a float32 addition rounded to 16 bits: proxies.core.wire), plus
+addition, or for bf16/fp16 a float32 addition rounded to 16 bits: proxies.core.wire, u
+then eps/2 (1 + 2^-15)), plus
 half a subnormal per addition, plus float64 rounding below 2^-40 M_b; while (n-1)u <= 1/3
-(any n for float32, n <= 683 for fp16, n <= 86 for bf16) that is at most tol. Guaranteed,
+(n <= 2.8 million for float32, 683 for fp16, 86 for bf16) that is at most tol. Guaranteed,
 per group of n ranks:
 1. No false alarm on a correct result, under the condition above.
 2. Any single element of block b changed by more than 2 tol_b <= 4n (eps A_b + sig B) + 2^-34
@@ -45,9 +46,10 @@ per group of n ranks:
    is otherwise not judged: that is the training's fault, not the transport's, and a real
    run ends with its non-finite loss.
 4. A lost (or doubled) contribution of rank r is a change e = -x^r (or +x^r): caught when
-   |sum_{i in b} w_i x^r_i| > 2 tol_b in some block (always, for float32 inputs of one sign
-   or with any bias; mean-zero float32 data: ~sqrt(B) against ~B n eps), or when at some
-   sample |x^r_s| > 2 tol_s (with 16-bit wires, where tol_b is large, this catches it).
+   |sum_{i in b} w_i x^r_i| > 2 tol_b in some block, or at some sample |x^r_s| > 2 tol_s.
+   The first holds for float32 in practice (mean-zero data: ~sqrt(B) |x| against
+   ~B n^2 eps |x|); with 16-bit wires tol_b is large, and the samples catch it: any of them
+   where rank r's value exceeds ~2 n eps times the sum of the n magnitudes there.
 5. Permutations: a value moved to another block changes that block (2.); two elements of
    one block exchanged change it by (w_a - w_c)(y_c - y_a), with |w_a - w_c| >= 1/B (0.38
    for neighbours); a sampled element replaced by one differing by more than 2 tol_s is
@@ -107,9 +109,7 @@ def blocks(buf: np.ndarray, n: int, unit: int = 1) -> list[np.ndarray]:
 
 
 def _f64(x: np.ndarray) -> np.ndarray:
-    """x as float64; bfloat16 through its float32 bit pattern (exact, and faster)."""
-    if x.dtype == wire.BFLOAT16:
-        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    """x as float64 (exact for every wire dtype, bfloat16 included)."""
     return x.astype(np.float64)
 
 
