@@ -124,7 +124,10 @@ def _samples(first: int, sizes: np.ndarray) -> np.ndarray:
 def _sizes(size: int) -> np.ndarray:
     """Check-block lengths of a segment of `size` elements."""
     full, rest = divmod(size, BLOCK)
-    return np.array([BLOCK] * full + ([rest] if rest else []), dtype=np.int64)
+    sizes = np.full(full + (rest > 0), BLOCK, dtype=np.int64)
+    if rest:
+        sizes[-1] = rest
+    return sizes
 
 
 def _stats(x: np.ndarray, first: int, inputs: bool) -> np.ndarray:
