@@ -227,7 +227,7 @@ class Engine:
         self.check = check
         self.check_comm = self.world.Dup() if check else None
         self.watchdog = watchdog
-        self.fault = fault  # test hook: "corrupt", "stall" or "crash" on this rank
+        self.fault = fault  # test hook: "corrupt", "stall", "crash" or _corrupt_result's
         self.iteration = 0
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
@@ -453,6 +453,8 @@ class Engine:
             # MPI leaves this rank's reduced block at the front; it belongs at its position.
             blocks = check.blocks(out, comm.size, op.unit)
             blocks[comm.rank][...] = out.reshape(-1)[: blocks[comm.rank].size]
+        if self.fault in ("corrupt-nan", "corrupt-add") and op.kind in check.REDUCTIONS:
+            _corrupt_result(op, comm, out, self.fault)
         error = None
         if self.check and op.kind == "alltoallv":
             error = check.verify_v(*state)
@@ -580,6 +582,20 @@ class Engine:
             t.seconds[category + HIDDEN] = union_seconds(spans)
         t.total = MPI.Wtime() - start
         return t
+
+
+def _corrupt_result(op: Collective, comm, out: np.ndarray, fault: str) -> None:
+    """Test hook (PROXIES_FAULT=corrupt-nan:RANK or corrupt-add:RANK, RANK may be "all"):
+    after a reduction, the middle element of this rank's result (its own block of a
+    reduce_scatter) becomes NaN or gains 0.5. With "all", every rank's result is corrupted
+    identically, which only --check's sums can notice (the ranks' crc32s agree)."""
+    flat = out.reshape(-1)
+    part = (
+        check.blocks(flat, comm.size, op.unit)[comm.rank] if op.kind == "reduce_scatter" else flat
+    )
+    if part.size:
+        k = part.size // 2
+        part[k] = np.nan if fault == "corrupt-nan" else float(part[k]) + 0.5
 
 
 def split_collective_waits(MPI, comms: dict, runs: list[IterationTimes]) -> None:

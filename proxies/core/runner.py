@@ -320,7 +320,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
     replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
     fault = ""
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
-    if spec and spec.split(":")[-1] == str(rank):
+    if spec and spec.split(":")[-1] in (str(rank), "all"):
         fault = spec.split(":")[0]
     wait = args.wait
     if wait == "auto":
