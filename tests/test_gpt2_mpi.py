@@ -5,6 +5,8 @@ import json
 import pytest
 from launch import mpirun
 
+from proxies.core import exits
+
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--iters", "3", "--warmup", "0", "--quiet"]
 
 
@@ -120,7 +122,7 @@ def test_check_catches_a_corrupted_message():
         timeout=60,
         env={"PROXIES_FAULT": "corrupt:0"},
     )
-    assert r.returncode != 0
+    assert r.returncode == exits.CHECK, r.stderr
     assert "--check: rank 1 received act_in mb 0 from rank 0" in r.stderr
 
 
@@ -137,7 +139,7 @@ def test_watchdog_turns_a_stall_into_a_diagnosis():
         timeout=60,
         env={"PROXIES_FAULT": "stall:1"},
     )
-    assert r.returncode != 0
+    assert r.returncode == exits.STALLED, r.stderr
     # Rank 1 never receives: rank 0 is left waiting for it to take the first activation.
     assert "watchdog: rank 0 made no progress" in r.stderr
     assert "waiting for the receiver(s) to take act_out mb 0 to rank 1" in r.stderr
@@ -147,7 +149,7 @@ def test_a_crashing_rank_ends_the_job_with_one_traceback():
     r = mpirun(
         4, "proxies.gpt2", "4", "2", "4", *TINY, timeout=60, env={"PROXIES_FAULT": "crash:3"}
     )
-    assert r.returncode != 0
+    assert r.returncode == exits.FAILED, r.stderr
     assert "rank 3 failed" in r.stderr
     assert r.stderr.count("Traceback") == 1
 

@@ -29,6 +29,8 @@ why it is the default only for oversubscribed nodes (`Waiter`).
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 import zlib
@@ -104,6 +106,21 @@ def describe(op, rank: int | None = None) -> str:
     if isinstance(op, Wait):
         return f"wait {op.req}"
     return repr(op)
+
+
+def _who(op, plan: Plan, reqs: dict) -> tuple[str, tuple[int, ...]]:
+    """An op's description naming whom it waits on, and those world ranks (`reqs`: request
+    name -> the group of the collective that started it)."""
+    if isinstance(op, P2P):
+        return describe(op), tuple(sorted({m.peer for m in op.sends + op.recvs}))
+    group = op.group if isinstance(op, Collective) else None
+    if isinstance(op, Wait):
+        group = reqs.get(op.req)
+    members = tuple(plan.groups.get(group, ())) if group else ()
+    peers = tuple(r for r in members if r != plan.rank)
+    if not members:
+        return describe(op), ()
+    return f"{describe(op)} with ranks {','.join(map(str, members))}", peers
 
 
 SPIN_FIRST = 50e-6  # seconds a yielding wait tests without sleeping
@@ -227,7 +244,9 @@ class Engine:
         self.check = check
         self.check_comm = self.world.Dup() if check else None
         self.watchdog = watchdog
-        self.fault = fault  # test hook: "corrupt", "stall", "crash" or _corrupt_result's
+        # test hook on this rank: "corrupt", "stall", "crash", "kill" or _corrupt_result's
+        self.fault = fault
+        self._described: list | None = None  # per op: (text, peer world ranks), for beats
         self.iteration = 0
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
@@ -283,7 +302,10 @@ class Engine:
             buf = self._buffer(m)
             into = self._narrow(buf, m.dtype, t, copy=False)
             mpi_type = wire.mpi_type(MPI, into.dtype)
-            self._beat(f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} (tag {m.tag})")
+            self._beat(
+                f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} (tag {m.tag})",
+                (m.peer,),
+            )
             for piece in _pieces(into):
                 w0 = MPI.Wtime()
                 status = MPI.Status()
@@ -305,7 +327,10 @@ class Engine:
             self._widen(into, buf, t)
         if op.sends:
             peers = ", ".join(f"{m.buf} mb {m.mb} to rank {m.peer}" for m in op.sends)
-            self._beat(f"{op.name}: waiting for the receiver(s) to take {peers}")
+            self._beat(
+                f"{op.name}: waiting for the receiver(s) to take {peers}",
+                tuple(sorted({m.peer for m in op.sends})),
+            )
         self.waiter.waitall(reqs)
         for out in staged:
             self.staging.release(out)
@@ -316,9 +341,23 @@ class Engine:
             MPI.Wtime() - t0 - idle - held - (t.seconds.get(CAST, 0.0) - cast0)
         )
 
-    def _beat(self, what: str) -> None:
+    def _beat(self, what: str, peers=None) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(f"iteration {self.iteration}: {what}")
+            self.watchdog.beat(f"iteration {self.iteration}: {what}", peers)
+
+    def _announce(self, iteration: int, i: int, n: int, op) -> None:
+        """Tell the watchdog what op `i` is: a compute op is local work (the rank is busy,
+        not stuck: no timer), anything else waits on the peers it names."""
+        if self._described is None:
+            ops = self.plan.ops
+            reqs = {c.req: c.group for c in ops if isinstance(c, Collective) and c.req}
+            self._described = [_who(op, self.plan, reqs) for op in ops]
+        what, peers = self._described[i]
+        what = f"iteration {iteration} op {i + 1}/{n}: {what}"
+        if isinstance(op, Compute):
+            self.watchdog.busy(what)
+        else:
+            self.watchdog.beat(what, peers)
 
     def _buffer(self, m: Msg) -> np.ndarray:
         buf = self.runtime.buffer(m.buf, m.mb, m.chunk)
@@ -557,11 +596,13 @@ class Engine:
         start = MPI.Wtime()
         for i, op in enumerate(self.plan.ops):
             if self.watchdog is not None:
-                self.watchdog.beat(f"iteration {iteration} op {i + 1}/{n}: {describe(op)}")
+                self._announce(iteration, i, n, op)
             if self.fault == "stall" and isinstance(op, P2P):
                 time.sleep(1e9)
             if self.fault == "crash" and i == n // 2:
                 raise RuntimeError("fault injected by PROXIES_FAULT")
+            if self.fault == "kill" and i == n // 2:
+                os.kill(os.getpid(), signal.SIGKILL)  # fail-stop, as --kill-rank
             t0 = MPI.Wtime()
             if isinstance(op, Compute):
                 self._compute(op)

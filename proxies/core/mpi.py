@@ -7,6 +7,9 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
+
+from proxies.core import exits, supervisor
 
 THREAD_LEVELS = {0: "single", 1: "funneled", 2: "serialized", 3: "multiple"}
 
@@ -17,10 +20,27 @@ def init():
     module."""
     import mpi4py
 
+    _startup_fault()
+    # MPI_Init waits for every rank to start MPI: the supervisor times it (the interpreter
+    # lock is held throughout, so no thread of this process could).
+    supervisor.report(
+        supervisor.WAITING, "MPI initialisation (waiting for every rank to start MPI)"
+    )
     mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    supervisor.report(supervisor.LOCAL, "building the job")
     return MPI
+
+
+def _startup_fault() -> None:
+    """Test hook: PROXIES_FAULT=startup-stall:R sleeps on rank R before MPI starts, as a
+    slow import or a hung file system would."""
+    from proxies.core import cli
+
+    spec = os.environ.get("PROXIES_FAULT", "")
+    if spec.split(":")[0] == "startup-stall" and spec.split(":")[-1] == str(cli.env_rank()):
+        time.sleep(1e9)
 
 
 def describe(MPI) -> dict:
@@ -43,11 +63,34 @@ def agree(comm, error: str | None, prog: str) -> None:
     """
     from mpi4py import MPI
 
+    supervisor.report(supervisor.WAITING, "checking the options with every rank")
     first = comm.allreduce(comm.rank if error else comm.size, op=MPI.MIN)
+    supervisor.report(supervisor.LOCAL, "building the job")
     if first < comm.size:
         if comm.rank == first:
             print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def end(code: int, comm=None) -> NoReturn:
+    """End the whole job with exit status `code`; never returns.
+
+    MPI_Abort may return (MPICH 5.0.2: 3 of 5 runs of a 6-line program), so after it this
+    process flushes and leaves with the code itself. Hydra makes the aborting rank's code the
+    job's status (measured: MPI_Abort(comm, 4) -> mpiexec exits 4), so the user sees `code`
+    either way. Without `comm` (before MPI, or in a single process) it just exits.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the exit
+            pass
+    if comm is not None:
+        try:
+            comm.Abort(code)
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def abort_on_exception(comm, prog: str) -> None:
@@ -57,47 +100,155 @@ def abort_on_exception(comm, prog: str) -> None:
     def hook(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
         print(f"{prog}: rank {comm.rank} failed:\n{text}", file=sys.stderr, flush=True)
-        comm.Abort(1)
+        end(exits.FAILED, comm)
 
     sys.excepthook = hook
 
 
-class Watchdog:
-    """Turns a run that cannot progress into a diagnosis.
+QUERY, REPLY = 1, 2  # tags on the watchdog's own communicator
 
-    The engine calls `beat(what)` before every op. If no beat arrives for `timeout` seconds,
-    this rank prints what it was waiting for and aborts the whole job.
+
+class Watchdog:
+    """Turns a run that cannot progress into a diagnosis; measures progress, not phases.
+
+    - `beat(what, peers)`: this rank now waits on `peers` (world ranks; None: any rank). The
+      timer runs from here until the next beat.
+    - `busy(what)`: local work (building the model, calibrating, a compute op): the rank is
+      busy, not stuck, so no timer runs until the next beat.
+
+    When a wait has lasted `timeout` seconds, the watchdog thread asks the ranks it waits on
+    (on a duplicate of the world communicator, which their watchdog threads answer, even
+    while their main thread computes or blocks in MPI). A peer that is doing local work or
+    made progress less than `timeout` ago means the wait is legitimate (a pipeline stage
+    waiting for a stage computing a long op): the timer restarts. Otherwise this rank prints
+    what it waited for, from whom, and what each of them says (or that it did not answer:
+    dead, or stuck holding the interpreter), and ends the job with exits.STALLED.
+
+    Everything is also published to the supervisor's page (core/supervisor.py), which names
+    the op a rank was in if the rank is killed.
     """
 
     def __init__(self, comm, prog: str, timeout: float):
         self.comm, self.prog, self.timeout = comm, prog, timeout
-        self.what = "starting"
+        self.what, self.peers, self.waiting = "starting", None, True
         self.last = time.monotonic()
+        self.rank = comm.rank
         self._stop = threading.Event()
         self._thread = None
+        self._beacon = supervisor.beacon()
         if timeout > 0:
+            from mpi4py import MPI
+
+            # Asking peers needs MPI calls from this thread alongside the main one.
+            asks = MPI.Query_thread() == MPI.THREAD_MULTIPLE and comm.size > 1
+            self._wcomm = comm.Dup() if asks else None
+            self._sent: list = []
+            self._round = 0
             self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
             self._thread.start()
+            if self._beacon is not None:
+                self._beacon.watched = 1  # the supervisor stops timing start-up
 
-    def beat(self, what: str) -> None:
-        self.what = what
+    def beat(self, what: str, peers=None) -> None:
+        self.what, self.peers, self.waiting = what, peers, True
         self.last = time.monotonic()
+        if self._beacon is not None:
+            self._beacon.set(supervisor.WAITING, what)
+
+    def busy(self, what: str) -> None:
+        self.what, self.peers, self.waiting = what, (), False
+        self.last = time.monotonic()
+        if self._beacon is not None:
+            self._beacon.set(supervisor.LOCAL, what)
 
     def stop(self) -> None:
+        """After the run's last collective (before MPI_Finalize)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.busy("writing the results")
 
+    # -- the watchdog thread ---------------------------------------------------------------
     def _run(self) -> None:
         period = min(1.0, self.timeout / 4)
+        extended = 0.0
         while not self._stop.wait(period):
-            stuck = time.monotonic() - self.last
-            if stuck > self.timeout:
-                print(
-                    f"{self.prog}: watchdog: rank {self.comm.rank} made no progress for "
-                    f"{stuck:.0f} s, stuck in {self.what}. A peer may have died, stalled, or "
-                    f"sent a message that does not match; aborting the job "
-                    f"(--timeout {self.timeout:g} s).",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                time.sleep(1.0)  # let other stuck ranks say what they wait for
-                self.comm.Abort(3)
+            self._answer()
+            last, waiting, what, peers = self.last, self.waiting, self.what, self.peers
+            # The timer restarts when a peer was seen working; what peers are told is the
+            # time since this rank's own progress, so two ranks stuck on each other cannot
+            # keep each other's timers alive.
+            started = max(last, extended)
+            if not waiting or time.monotonic() - started <= self.timeout:
+                continue
+            answers = self._ask(peers, period)
+            if self.last != last:
+                continue  # progress while asking
+            if any(a is not None and (not a[0] or a[1] < self.timeout) for a in answers.values()):
+                extended = time.monotonic()  # a peer is working: a long wait, not a stall
+                continue
+            # Before ending the job, give each stuck peer time for its own timer to expire,
+            # so that it too says what it waits for.
+            ages = [a[1] for a in answers.values() if a is not None]
+            grace = 1.0 + 2 * period + max([self.timeout - age for age in ages] + [0.0])
+            self._report(time.monotonic() - last, what, peers, answers, grace)
+
+    def _state(self) -> tuple[bool, float, str]:
+        return self.waiting, time.monotonic() - self.last, self.what
+
+    def _answer(self) -> None:
+        """Reply to every pending question with (waiting, seconds since progress, what)."""
+        w = self._wcomm
+        if w is None:
+            return
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while w.iprobe(MPI.ANY_SOURCE, QUERY, status):
+            asked = w.recv(source=status.Get_source(), tag=QUERY)
+            self._sent.append(w.isend((asked, *self._state()), status.Get_source(), REPLY))
+        self._sent = [r for r in self._sent if not r.Test()]
+
+    def _ask(self, peers, period: float) -> dict:
+        """Ask each peer (all other ranks for None) how it is; wait a few periods for the
+        answers (None: no answer)."""
+        w = self._wcomm
+        if w is None:
+            return {}
+        from mpi4py import MPI
+
+        ranks = [r for r in (range(w.size) if peers is None else peers) if r != self.rank]
+        self._round += 1
+        for r in ranks:
+            self._sent.append(w.isend(self._round, r, QUERY))
+        answers: dict[int, tuple | None] = dict.fromkeys(ranks)
+        deadline = time.monotonic() + max(3 * period, 2.0)  # peers answer once a period
+        status = MPI.Status()
+        while time.monotonic() < deadline and any(a is None for a in answers.values()):
+            self._answer()
+            while w.iprobe(MPI.ANY_SOURCE, REPLY, status):
+                got = w.recv(source=status.Get_source(), tag=REPLY)
+                if got[0] == self._round and status.Get_source() in answers:
+                    answers[status.Get_source()] = got[1:]
+            time.sleep(0.01)
+        return answers
+
+    def _report(self, stuck: float, what: str, peers, answers: dict, grace: float) -> None:
+        who = "any rank" if peers is None else "rank(s) " + ",".join(map(str, peers))
+        lines = [
+            f"{self.prog}: watchdog: rank {self.rank} made no progress for {stuck:.0f} s, "
+            f"stuck in {what} (waiting on {who}). A peer may have died, stalled, or sent a "
+            f"message that does not match; aborting the job (--timeout {self.timeout:g} s)."
+        ]
+        for r, a in sorted(answers.items()):
+            if a is None:
+                lines.append(f"  rank {r} does not answer: dead, or stuck outside Python")
+            elif a[0]:
+                lines.append(f"  rank {r} made no progress for {a[1]:.0f} s, waiting in {a[2]}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        # Let other stuck ranks say what they wait for, answering their questions meanwhile.
+        until = time.monotonic() + grace
+        while time.monotonic() < until:
+            self._answer()
+            time.sleep(0.05)
+        end(exits.STALLED, self.comm)

@@ -268,8 +268,7 @@ def calibrate(MPI, job: Job, plan: Plan, runtime, comms: dict, watchdog) -> dict
                 if rep:
                     samples[(op.name, op.chunk)].append(time.perf_counter() - t0)
 
-    watchdog.beat("calibrating replay times (ranks take turns)")
-    watchdog.last = float("inf")  # turns can take long; nothing here waits on messages
+    watchdog.busy("calibrating replay times (ranks take turns)")  # local work: no timer
     if node.size > threads.cores_available():
         # Waiting ranks must not spin in MPI_Barrier while one measures, nor wake often.
         waiter = Waiter(MPI, "yield", max_sleep=0.02)
@@ -307,15 +306,19 @@ def book_overhead_and_tail(MPI, world, timed: list[IterationTimes]) -> None:
 
 
 def run(job: Job, args, MPI, machine=None) -> int:
-    from proxies.core.mpi import Watchdog, abort_on_exception
+    from proxies.core import exits
+    from proxies.core.mpi import Watchdog, abort_on_exception, end
     from proxies.core.mpi import describe as mpi_describe
 
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
-    plan = job.plan(rank)
-    comms = communicators(MPI, plan, job.group_names)
     watchdog = Watchdog(world, job.prog, args.timeout)
+    watchdog.busy("building this rank's plan")
+    plan = job.plan(rank)
+    watchdog.beat("creating the communicators (a collective over every rank)")
+    comms = communicators(MPI, plan, job.group_names)
+    watchdog.busy("building the model and its buffers")  # local work: no timer
     runtime = job.runtime(rank, MPI, comms, args.compute)
     replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
     fault = ""
@@ -354,7 +357,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
             t = engine.run_iteration(it)
         except CheckError as e:
             print(f"{job.prog}: {e}", file=sys.stderr, flush=True)
-            world.Abort(4)
+            end(exits.CHECK, world)  # never returns, even where MPI_Abort does
         losses[it] = runtime.finish_iteration(it)
         if it >= args.warmup:
             timed.append(t)
@@ -445,8 +448,11 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"
         )
-    from proxies.core import mpi
+    from proxies.core import mpi, supervisor
 
+    # Under a launcher this process forks: the child goes on as the rank, the parent stays
+    # outside MPI to name the rank if it dies and to time its start-up (core/supervisor.py).
+    supervisor.supervise(parser.prog.removeprefix("python -m "), args.timeout)
     MPI = mpi.init()
     # Checks that may differ between ranks (a file missing on one node) must not leave the
     # others waiting in a collective: every rank reports, the lowest failing one prints.
