@@ -152,10 +152,11 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--capacity-factor",
-        type=cli.positive_float,
+        type=cli.number(min=0, open_min=True, max=1000, what="a capacity factor in (0, 1000]"),
         default=1.0,
         metavar="CF",
-        help="expert capacity = ceil(CF * K * tokens / E) per source rank; tokens past it drop",
+        help="expert capacity = ceil(CF * K * tokens / E) per source rank; tokens past it "
+        "drop; in (0, 1000]",
     )
     g.add_argument(
         "--moe-ffn-hidden",
@@ -200,8 +201,15 @@ def parser() -> argparse.ArgumentParser:
         help="only the transformer layers, no embedding, LM head or loss: the C++ proxy's "
         "pattern (compute model/none only)",
     )
-    p.add_argument("--lr", type=cli.positive_float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument(
+        "--lr",
+        type=cli.learning_rate,
+        default=1e-4,
+        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}]",
+    )
+    p.add_argument(
+        "--weight-decay", type=cli.weight_decay, default=0.0, help="AdamW weight decay, in [0, 1]"
+    )
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
