@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -397,11 +398,27 @@ def env_world_size() -> int | None:
     return found[1] if found else None
 
 
+def quiet_interrupts() -> None:
+    """Until run_main takes over: Ctrl-C ends the process at once, one line from rank 0,
+    exit 130. Imports take a second or more on a loaded machine, and a KeyboardInterrupt
+    inside one prints a traceback per rank (or worse, inside an extension's import)."""
+    loud = env_rank() == 0
+
+    def handler(signum, frame):
+        if loud:
+            os.write(2, b"proxies: interrupted while starting\n")
+        os._exit(exits.INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)
+
+
 def run_main(
     prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None
 ) -> None:
     """Run a proxy's main: UsageError -> one line from rank 0, exit 2; Ctrl-C -> one line,
     exit 130 (core/mpi.interrupted ends a job MPI already runs)."""
+    if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt below
     try:
         code = main(argv)
     except UsageError as e:

@@ -89,7 +89,8 @@ def interrupted(prog: str) -> NoReturn:
     where = "while starting"
     if _where is not None:
         try:
-            where = f"in {_where()}"
+            what = _where()
+            where = f"in {what}" if what.startswith("iteration") else f"while {what}"
         except Exception:  # noqa: BLE001 (the line matters more than the detail)
             pass
     MPI = sys.modules.get("mpi4py.MPI")

@@ -312,6 +312,9 @@ def run(job: Job, args, MPI, machine=None) -> int:
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
+    # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
+    # kernel per rank as its values overflow.
+    np.seterr(over="ignore", invalid="ignore")
     plan = job.plan(rank)
     comms = communicators(MPI, plan, job.group_names)
     watchdog = Watchdog(world, job.prog, args.timeout)
@@ -403,11 +406,13 @@ def run(job: Job, args, MPI, machine=None) -> int:
         it, who = diverged(firsts)
         print(
             f"{job.prog}: the loss is not finite from iteration {it} on (first seen on rank "
-            f"{who}, {job.label(who)}); check --lr and --weight-decay",
+            f"{who}, {job.label(who)}): a learning rate too high for this model?",
             file=sys.stderr,
             flush=True,
         )
         code = exits.DIVERGED
+        # strict JSON has no NaN or Infinity: null stands for a loss that was not finite
+        result["loss"] = [x if np.isfinite(x) else None for x in result.get("loss", [])]
     if args.json:
         written = report.write_json(args.json, result, prog=job.prog)
         if written is None:
