@@ -61,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's proxies (machine files), as the runs use (cwd ROOT)
 PROXIES = ("gpt2", "gpt3", "cosmoflow", "dlrm")
 MODES = ("none", "model")
+MAX_RANKS = 1 << 16  # every point runs on this machine
 SHARE = 0.10  # categories under this share of the iteration are not judged
 
 
@@ -339,9 +340,10 @@ def rank_list(text: str) -> list[int]:
         ranks = [int(x) for x in text.split(",")]
     except ValueError:
         ranks = []
-    if not ranks or any(r < 2 or r % 2 for r in ranks):
+    if not ranks or any(r < 2 or r % 2 or r > MAX_RANKS for r in ranks):
         raise argparse.ArgumentTypeError(
-            f"expected even rank counts >= 2, comma-separated (the configs use tp or pp 2), "
+            f"expected even rank counts >= 2 (and <= {MAX_RANKS}), comma-separated (the "
+            "configs use tp or pp 2), "
             f"got {text!r}"
         )
     return sorted(set(ranks))
@@ -350,7 +352,15 @@ def rank_list(text: str) -> list[int]:
 def tflops_or_auto(text: str) -> str | float:
     from proxies.core import cli
 
-    return text if text == "auto" else cli.device_tflops(text)
+    if text == "auto":
+        return text
+    try:
+        return cli.device_tflops(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number or auto (TFLOP/s from {cli.TFLOPS_MIN:g} to "
+            f"{cli.TFLOPS_MAX:g}), got {text!r}"
+        ) from None
 
 
 def parser() -> argparse.ArgumentParser:

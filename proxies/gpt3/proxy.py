@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, report, runner, threads
+from proxies.core import cli, exits, report, runner, threads
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -894,7 +894,7 @@ def dry_run(args, world: int, machine=None) -> int:
         stage_of = [grid.coords(r)["pp"] for r in range(world)]
         by_stage = {s: p.bytes_by_category() for s, p in plans.items()}
         cats = sorted({c for b in by_stage.values() for c in b})
-        report.write_json(
+        written = report.write_json(
             args.json,
             {
                 "proxy": "gpt3",
@@ -912,7 +912,10 @@ def dry_run(args, world: int, machine=None) -> int:
                 "comm_only_bytes_per_rank": max(pools),
                 **predicted,
             },
+            prog=PROG,
         )
+        if written is None:
+            return exits.FAILED
     return 0
 
 
@@ -943,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.dry_run:
+        cli.check_output(args.json)  # before planning, however long that takes
         machine = cli.use_machine(args)
         world = args.world_size or cli.env_world_size() or 1
         if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
