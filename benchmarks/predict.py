@@ -399,7 +399,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=cli.number(min=1, max=cli.TIMEOUT_MAX_S),
+        type=cli.number(min=0, open_min=True, max=cli.TIMEOUT_MAX_S),  # a subprocess limit
         default=120,
         help="seconds per point (default 120)",
     )
