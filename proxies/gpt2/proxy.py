@@ -123,7 +123,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket-mb",
-        type=cli.number(min=0, max=MAX_BUCKET_MB, what=f"MiB from 0 to {MAX_BUCKET_MB:g}"),
+        type=cli.number(
+            min=0, max=MAX_BUCKET_MB, what=f"a number >= 0 (MiB, at most {MAX_BUCKET_MB:g})"
+        ),
         metavar="MB",
         help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
         f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
