@@ -55,6 +55,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's proxies (cli's option types), as the runs use
 CONFIGS = ["4:1", "8:2"]  # fit a 2-core, 23 GB machine: ~0.5 GB of buffers per rank
 
 
@@ -88,7 +89,9 @@ def run(ranks: int, stages: int, args) -> dict:
             return json.load(f)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    from proxies.core import cli
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--config",
@@ -97,11 +100,22 @@ def main() -> None:
         help=f"ranks and stages, repeatable (default {' '.join(CONFIGS)})",
     )
     p.add_argument("--compute", choices=("none", "model"), default="none")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations (default 1)")
+    p.add_argument("--iters", type=cli.positive_int, default=3, help="timed iterations (default 3)")
+    p.add_argument(
+        "--warmup", type=cli.nonneg_int, default=1, help="untimed iterations (default 1)"
+    )
     p.add_argument("--wait", choices=("auto", "spin", "yield"), default="auto")
-    p.add_argument("--timeout", type=float, default=1800, help="per run, seconds")
-    args = p.parse_args()
+    p.add_argument(
+        "--timeout",
+        type=cli.number(min=0, open_min=True, max=cli.TIMEOUT_MAX_S),  # a subprocess limit
+        default=1800,
+        help=f"per run, seconds, at most {cli.TIMEOUT_MAX_S:g}",
+    )
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     rows = []
     for spec in args.config or CONFIGS:
         ranks, stages = (int(x) for x in spec.split(":"))

@@ -61,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's proxies (machine files), as the runs use (cwd ROOT)
 PROXIES = ("gpt2", "gpt3", "cosmoflow", "dlrm")
 MODES = ("none", "model")
+MAX_RANKS = 1 << 16  # every point runs on this machine
 SHARE = 0.10  # categories under this share of the iteration are not judged
 
 
@@ -339,15 +340,32 @@ def rank_list(text: str) -> list[int]:
         ranks = [int(x) for x in text.split(",")]
     except ValueError:
         ranks = []
-    if not ranks or any(r < 2 or r % 2 for r in ranks):
+    if not ranks or any(r < 2 or r % 2 or r > MAX_RANKS for r in ranks):
         raise argparse.ArgumentTypeError(
-            f"expected even rank counts >= 2, comma-separated (the configs use tp or pp 2), "
+            f"expected even rank counts >= 2 (and <= {MAX_RANKS}), comma-separated (the "
+            "configs use tp or pp 2), "
             f"got {text!r}"
         )
     return sorted(set(ranks))
 
 
+def tflops_or_auto(text: str) -> str | float:
+    from proxies.core import cli
+
+    if text == "auto":
+        return text
+    try:
+        return cli.device_tflops(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number or auto (TFLOP/s from {cli.TFLOPS_MIN:g} to "
+            f"{cli.TFLOPS_MAX:g}), got {text!r}"
+        ) from None
+
+
 def parser() -> argparse.ArgumentParser:
+    from proxies.core import cli
+
     p = argparse.ArgumentParser(
         prog="python benchmarks/predict.py", description=__doc__.split("\n\n")[0]
     )
@@ -368,6 +386,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of none,model")
     p.add_argument(
         "--tflops",
+        type=tflops_or_auto,
         default="auto",
         help="--device-tflops of the model points: a number, or auto (compute about half of "
         "the iteration; needs the none point)",
@@ -378,8 +397,18 @@ def parser() -> argparse.ArgumentParser:
         help="tiny presets, 1 timed iteration, calibrate --quick: checks that everything runs "
         "(its errors say little: the iterations are a few ms)",
     )
-    p.add_argument("--timeout", type=float, default=120, help="seconds per point (default 120)")
-    p.add_argument("--target", type=float, default=25, help="error %% marked * above (25)")
+    p.add_argument(
+        "--timeout",
+        type=cli.number(min=0, open_min=True, max=cli.TIMEOUT_MAX_S),  # a subprocess limit
+        default=120,
+        help="seconds per point (default 120)",
+    )
+    p.add_argument(
+        "--target",
+        type=cli.number(min=0, open_min=True, max=1000),
+        default=25,
+        help="error %% marked * above (25), in (0, 1000]",
+    )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
     return p
@@ -398,14 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     proxies = subset(args.proxies, PROXIES, "--proxies", p)
     modes = subset(args.modes, MODES, "--modes", p)
-    fixed = None
-    if args.tflops != "auto":
-        try:
-            fixed = float(args.tflops)
-        except ValueError:
-            fixed = -1.0
-        if not fixed > 0 or fixed == float("inf"):
-            p.error(f"--tflops: expected a positive number or auto, got {args.tflops!r}")
+    fixed = None if args.tflops == "auto" else args.tflops
+    from proxies.core import cli, report
+
+    if cli.output_problem(args.json):
+        p.error(cli.output_problem(args.json))  # before the points, not after them
     if args.machine and not os.path.isfile(args.machine):
         p.error(f"--machine: no such file: {args.machine}")
     iters = 1 if args.quick else 3
@@ -465,20 +491,17 @@ def main(argv: list[str] | None = None) -> int:
         total = time.perf_counter() - started
         print(f"# {len(rows)} points in {total:.0f} s")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "command": " ".join(["python", "benchmarks/predict.py", *sys.argv[1:]]),
-                        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                        "host_cores": cores,
-                        "machine": summary,
-                        "mpi": mpi,
-                        "seconds": total,
-                        "rows": rows,
-                    },
-                    f,
-                    indent=1,
-                )
+            out = {
+                "command": " ".join(["python", "benchmarks/predict.py", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                "host_cores": cores,
+                "machine": summary,
+                "mpi": mpi,
+                "seconds": total,
+                "rows": rows,
+            }
+            if report.write_json(args.json, out, prog="predict") is None:
+                return 1
     # every point was tried and shown; the status says whether all of them ran (as sweeps)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 

@@ -17,7 +17,7 @@ CASES = [
     (2, ["4", "--seq-len", "4096"], ["--seq-len 4096", "context of 1024"]),
     (2, ["4", "--data", "/no/such/tokens.bin"], ["--data /no/such/tokens.bin: no such file"]),
     (2, ["4", "2", "--order", "pp-xx"], ["rank order", "pp-xx"]),
-    (2, ["4", "--device-tflops", "-1"], ["--device-tflops", "positive number"]),
+    (2, ["4", "--device-tflops", "-1"], ["--device-tflops", "TFLOP/s from"]),
     (2, ["4", "--world-size", "8"], ["--world-size only goes with --dry-run"]),
     (2, ["4", "--bogus"], ["unrecognized arguments: --bogus"]),
 ]

@@ -223,7 +223,7 @@ def test_shards_parse(text, want):
         (["--shards", "2", "--global-batch", "3"], 4, "--global-batch 3 is not divisible"),
         (["--model", "dnn-cpp-proxies", "--compute", "real"], 4, "--compute real needs"),
         (["--model", "dnn-cpp-proxies", "--dense", "replicate"], 4, "--dense replicate needs"),
-        (["--momentum", "1.5"], 4, "--momentum 1.5"),
+        (["--momentum", "1.5"], 4, "--momentum: expected a momentum in"),
     ],
 )
 def test_bad_layouts_are_usage_errors(argv, world, words):

@@ -149,9 +149,9 @@ def test_kill_rank_ends_the_job_with_its_line(iteration):
         timeout=timeout + 5,
     )
     assert time.monotonic() - t0 < timeout + 5
-    # The survivors' diagnosis and exits.RANK_DIED come with the watchdog's work (another
-    # branch); here the launcher ends the job when the rank dies.
-    assert r.returncode != exits.OK
+    # The rank's own line, then its supervisor's diagnosis naming it, and the job's status.
+    assert r.returncode == exits.RANK_DIED, r.stderr
     line = f"proxies.gpt2: rank 1: killed on purpose by --kill-rank at iteration {iteration}"
     assert line in r.stderr, r.stderr
+    assert "proxies.gpt2: rank 1 (pid" in r.stderr and "died: killed by SIGKILL" in r.stderr
     assert "time per iteration" not in r.stdout

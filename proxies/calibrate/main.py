@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from proxies.calibrate import measure
-from proxies.core import cli
-from proxies.core.machine import Level, Machine, dump
+from proxies.core import cli, report
+from proxies.core.machine import Level, Machine, dumps
 from proxies.core.units import format_quantity
 
 PROG = "proxies.calibrate"
@@ -54,14 +54,7 @@ def parser() -> cli.Parser:
 
 def output_problem(path: str) -> str | None:
     """Why `path` cannot be written, or None: checked before anything is measured."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"-o {path}: is a directory"
-    if not os.path.isdir(folder):
-        return f"-o {path}: no such directory {folder}"
-    if not os.access(folder, os.W_OK):
-        return f"-o {path}: cannot write in {folder}"
-    return None
+    return cli.output_problem(path, "-o")
 
 
 @dataclass
@@ -299,11 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         summary(m, topo, share)
-        try:
-            dump(m, args.output, comments(m, topo, share, quick))
-            print(f"wrote {args.output}", flush=True)
-        except OSError as e:
-            error = f"-o {args.output}: cannot write: {e.strerror}"
+        # A minute of measuring is not lost to a full disk: save falls back and says where.
+        text = dumps(m, comments(m, topo, share, quick))
+        written = report.save(args.output, text, prog=PROG, suffix=".yaml")
+        if written is None:
+            error = f"-o {args.output}: cannot write it nor a fallback"
+        else:
+            print(f"wrote {written}", flush=True)
     mpi.agree(comm, error, PROG)
     return 0
 

@@ -33,28 +33,27 @@ import statistics
 import numpy as np
 
 from proxies.collectives import ALGORITHMS, allreduce
-from proxies.core import cli, wire
+from proxies.core import cli, exits, wire
 
 PROG = "proxies.collectives"
 DTYPES = ("float32", "float64", "int32", "int64", "bfloat16", "float16")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+MAX_SIZE = 1 << 40  # one buffer of the largest size is allocated: 1 TiB is past any node
 
 
 def parse_size(text: str) -> int:
     """nccl-tests sizes: 8, 64K, 128M, 1G (binary multiples; a trailing B is allowed)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)[Bb]?\s*", text)
+    what = f"a size from 1 byte to {MAX_SIZE >> 30}G like 8, 64K, 128M or 1G"
     if not m:
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes like 8, 64K, 128M or 1G, got {text!r}"
-        )
-    return int(m.group(1)) * UNITS[m.group(2).upper()]
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    size = int(m.group(1)) * UNITS[m.group(2).upper()]
+    if not 1 <= size <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text.strip()}")
+    return size
 
 
-def factor(text: str) -> int:
-    value = cli.positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
-    return value
+factor = cli.integer(min=2, what="an integer >= 2")
 
 
 def parser() -> cli.Parser:
@@ -199,8 +198,6 @@ def resolve(args) -> list[str]:
         raise cli.UsageError(
             f"-e/--maxbytes {args.maxbytes} is smaller than -b/--minbytes {args.minbytes}"
         )
-    if args.minbytes == 0:
-        raise cli.UsageError("-b/--minbytes must be at least 1 byte")
     return list(dict.fromkeys(algs))
 
 
@@ -339,8 +336,8 @@ def dry_run(args, algs: list[str], machine) -> int:
             row["predicted"] = True
             print(line(row, None)[:-8], flush=True)
             rows.append(row)
-    if args.json:
-        report.write_json(args.json, rows)
+    if args.json and report.write_json(args.json, rows, prog=PROG) is None:
+        return exits.FAILED
     return 0
 
 
@@ -349,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     algs = resolve(args)
     machine = load_machine(args)
     if args.dry_run:
+        cli.check_output(args.json)
         return dry_run(args, algs, machine)
     if args.world_size:
         raise cli.UsageError("--world-size only goes with --dry-run (a run has mpiexec's size)")
@@ -371,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         whole[...] = 0
     except MemoryError:
         whole, error = None, f"-e/--maxbytes {args.maxbytes}: cannot allocate that buffer"
+    if error is None and r == 0:  # rank 0 writes the rows: refuse now, not after timing
+        error = cli.output_problem(args.json)
     mpi.agree(comm, error, PROG)
 
     if r == 0:
@@ -426,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# average busbw (GB/s): {avg}")
         if args.check:
             print(f"# #wrong in all: {sum(g['wrong'] for g in rows)}")
-        if args.json:
-            report.write_json(args.json, rows)
+        if args.json and report.write_json(args.json, rows, prog=PROG) is None:
+            return exits.FAILED
     return 0
 
 

@@ -8,10 +8,14 @@ starts it), so the rank comes from the launcher's environment here.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from proxies.core import exits
 
 if TYPE_CHECKING:
     from proxies.core.machine import Machine
@@ -34,18 +38,47 @@ PREDICT_DETAILS = ("auto", "steps", "coarse")
 
 # Launchers export the world rank under different names; MPI itself is not started yet.
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
+# Each rank variable with the size variable its launcher sets beside it.
+SIZE_OF = {
+    "PMI_RANK": "PMI_SIZE",
+    "OMPI_COMM_WORLD_RANK": "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK": "PMIX_SIZE",
+    "PALS_RANKID": "PALS_SIZE",
+    "SLURM_PROCID": "SLURM_NTASKS",
+}
+# A live MPICH hydra / Slurm PMI-1/2 launch also hands the process its PMI connection; a
+# PMI_RANK without one is left over from a batch script (no launcher started this process).
+PMI_LINKS = ("PMI_FD", "PMI_PORT")
 
 
 class UsageError(Exception):
     """Bad input: shown once by rank 0, exit status 2."""
 
 
-def env_rank() -> int:
+def _launch() -> tuple[int, int] | None:
+    """(rank, size) from the first launcher whose variables are consistent, else None.
+
+    Only rank 0 prints errors, so a stale rank variable (PMI_RANK=3 exported by a batch
+    script around a plain `python -m ...`) would silence every message: a rank variable
+    counts only with its size variable beside it, rank < size, and for PMI a connection.
+    """
     for var in RANK_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+        rank, size = os.environ.get(var, "").strip(), os.environ.get(SIZE_OF[var], "").strip()
+        if not rank:
+            continue
+        if not (rank.isdigit() and size.isdigit() and int(rank) < int(size)):
+            continue  # inconsistent: no launcher we can trust under this name
+        if var == "PMI_RANK" and not any(os.environ.get(v) for v in PMI_LINKS):
+            continue
+        return int(rank), int(size)
+    return None
+
+
+def env_rank() -> int:
+    """This process's world rank as its launcher says; 0 when no consistent launcher
+    environment is found (then this process prints its own errors)."""
+    found = _launch()
+    return found[0] if found else 0
 
 
 def say(msg: str, *, file=sys.stderr) -> None:
@@ -65,31 +98,165 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def _int_type(minimum: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+INT_MAX = 2**63 - 1  # every count ends up in NumPy's int64 or MPI's counts
+
+
+class _Number:
+    """An argparse type: a finite number in a range, one clear message otherwise.
+
+    Every numeric option of every entry point goes through one of these, so nan, inf, an
+    empty string, a float where an integer is due ("2.5", "1e3": never truncated) and a
+    value out of range are refused at parse time, before MPI starts. The bounds stay on the
+    object (`minimum`, `maximum`) for --help texts and the tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        integer: bool,
+        minimum: float | None,
+        maximum: float | None,
+        open_min: bool,
+        open_max: bool,
+        zero: bool,
+        what: str | None,
+    ):
+        self.integer, self.minimum, self.maximum = integer, minimum, maximum
+        self.open_min, self.open_max, self.zero = open_min, open_max, zero
+        self.what = what or self.describe()
+        self.__name__ = "integer" if integer else "number"  # argparse names the type in errors
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        lo, hi = self.minimum, self.maximum
+        if lo == 0 and self.open_min and hi is None:
+            text = f"a positive {kind.split()[-1]}"
+        elif lo == 0 and hi is None:
+            text = f"a non-negative {kind.split()[-1]}"
+        else:
+            parts = []
+            if lo is not None:
+                parts.append(f"{'>' if self.open_min else '>='} {lo:g}")
+            if hi is not None and not (self.integer and hi == INT_MAX):
+                parts.append(f"{'<' if self.open_max else '<='} {hi:g}")
+            text = f"{kind} {' and '.join(parts)}" if parts else kind
+        return text + (" (or 0)" if self.zero else "")
+
+    def __call__(self, text: str) -> int | float:
+        value: int | float
         try:
-            value = int(text)
+            value = int(text) if self.integer else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {self.what}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {self.what}, got {text!r}")
+        value += 0  # -0.0 -> 0.0
+        if self.zero and value == 0:
+            return value
+        lo, hi = self.minimum, self.maximum
+        below = lo is not None and (value < lo or (self.open_min and value == lo))
+        above = hi is not None and (value > hi or (self.open_max and value == hi))
+        if below or above:
+            raise argparse.ArgumentTypeError(f"expected {self.what}, got {text.strip()}")
         return value
 
-    return parse
+
+def number(
+    *,
+    min: float | None = None,  # noqa: A002 (the names read best at the call sites)
+    max: float | None = None,  # noqa: A002
+    open_min: bool = False,
+    open_max: bool = False,
+    zero: bool = False,
+    what: str | None = None,
+) -> Callable[[str], float]:
+    """A finite float in [min, max] (open ends with open_min / open_max); `zero` also
+    admits exactly 0 (an "off" value outside the range, as --timeout 0)."""
+    return _Number(
+        integer=False,
+        minimum=min,
+        maximum=max,
+        open_min=open_min,
+        open_max=open_max,
+        zero=zero,
+        what=what,
+    )
 
 
-positive_int = _int_type(1, "a positive integer")
-nonneg_int = _int_type(0, "a non-negative integer")
+def integer(
+    *, min: float | None = None, max: float = INT_MAX, zero: bool = False, what: str | None = None
+) -> Callable[[str], int]:  # noqa: A002
+    """An integer (written as one: "2.0" and "1e3" are refused, not truncated) in [min, max]."""
+    return _Number(
+        integer=True,
+        minimum=min,
+        maximum=max,
+        open_min=False,
+        open_max=False,
+        zero=zero,
+        what=what,
+    )
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+positive_int = integer(min=1, what="a positive integer")
+nonneg_int = integer(min=0, what="a non-negative integer")
+positive_float = number(min=0, open_min=True, what="a positive number")
+nonneg_float = number(min=0, what="a number >= 0")
+
+# Ranges of the shared options (stated in --help).
+TIMEOUT_MIN_S = 1.0  # a shorter watchdog would fire between two healthy ops
+TIMEOUT_MAX_S = 1e6  # about 11 days; far longer sleeps overflow the C timers
+timeout_seconds = number(
+    min=TIMEOUT_MIN_S,
+    max=TIMEOUT_MAX_S,
+    zero=True,
+    what=f"0 (off) or seconds from {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g}",
+)
+# A device from 1 MFLOP/s (benchmarks/predict.py fits tiny presets' overhead-bound compute
+# down to 3e-5 TFLOP/s) to 1 EFLOP/s; the engine caps one slept op at TIMEOUT_MAX_S.
+TFLOPS_MIN, TFLOPS_MAX = 1e-6, 1e6
+device_tflops = number(
+    min=TFLOPS_MIN, max=TFLOPS_MAX, what=f"TFLOP/s from {TFLOPS_MIN:g} to {TFLOPS_MAX:g}"
+)
+# Optimizer settings: beyond these the step overflows float32 at the first update.
+LR_MAX = 10.0
+learning_rate = number(min=0, open_min=True, max=LR_MAX, what=f"a learning rate in (0, {LR_MAX:g}]")
+weight_decay = number(min=0, max=1, what="a weight decay in [0, 1]")
+momentum = number(min=0, max=1, open_max=True, what="a momentum in [0, 1)")
+
+
+# Pseudo-filesystems: writing a result there fails (or worse, pokes the kernel).
+SPECIAL_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def output_problem(path: str | None, option: str = "--json") -> str | None:
+    """Why the output file `path` cannot be written, in one line; None when it can.
+
+    Checked before the first iteration so a run's results are not lost at its end: the
+    folder exists and is writable, the target is not a folder, not on /proc, /sys or /dev.
+    """
+    if path is None:
+        return None
+    if not path.strip():
+        return f"{option}: empty path"
+    full = os.path.realpath(path)
+    if any(full == root or full.startswith(root + "/") for root in SPECIAL_ROOTS):
+        return f"{option} {path}: not a place for results ({full.split('/')[1]} is the kernel's)"
+    if os.path.isdir(full):
+        return f"{option} {path}: is a directory"
+    folder = os.path.dirname(full)
+    if not os.path.isdir(folder):
+        return f"{option} {path}: no such directory {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{option} {path}: cannot write in {folder}"
+    return None
+
+
+def check_output(path: str | None, option: str = "--json") -> None:
+    """output_problem as a UsageError (for checks made before MPI starts)."""
+    problem = output_problem(path, option)
+    if problem:
+        raise UsageError(problem)
 
 
 class _Given(argparse.Action):
@@ -137,12 +304,12 @@ def add_common(
     )
     g.add_argument(
         "--device-tflops",
-        type=positive_float,
+        type=device_tflops,
         action=_Given,
         default=150.0,
         metavar="TFLOPS",
-        help="achieved device rate for --compute model, in TFLOP/s (default 150: "
-        "about half an A100's 312 bf16 peak)",
+        help="achieved device rate for --compute model, in TFLOP/s, from "
+        f"{TFLOPS_MIN:g} to {TFLOPS_MAX:g} (default 150: about half an A100's 312 bf16 peak)",
     )
     g.add_argument(
         "--allreduce",
@@ -199,11 +366,11 @@ def add_common(
     )
     g.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=300.0,
         metavar="SECONDS",
         help="watchdog: abort with a diagnosis when a rank makes no progress for "
-        "this long (default 300; 0 disables)",
+        f"this long, {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g} s (default 300; 0 disables)",
     )
     g.add_argument(
         "--wait",
@@ -230,23 +397,42 @@ def add_common(
 
 
 def env_world_size() -> int | None:
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PALS_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    """The launcher's world size, None without a consistent launcher environment."""
+    found = _launch()
+    return found[1] if found else None
+
+
+def quiet_interrupts() -> None:
+    """Until run_main takes over: Ctrl-C ends the process at once, one line from rank 0,
+    exit 130. Imports take a second or more on a loaded machine, and a KeyboardInterrupt
+    inside one prints a traceback per rank (or worse, inside an extension's import)."""
+    loud = env_rank() == 0
+
+    def handler(signum, frame):
+        if loud:
+            os.write(2, b"proxies: interrupted while starting\n")
+        os._exit(exits.INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def run_main(
     prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None
 ) -> None:
-    """Run a proxy's main: UsageError -> one line from rank 0, exit 2."""
+    """Run a proxy's main: UsageError -> one line from rank 0, exit 2; Ctrl-C -> one line,
+    exit 130 (core/mpi.interrupted ends a job MPI already runs)."""
+    if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt below
     try:
         code = main(argv)
     except UsageError as e:
         say(f"{prog}: error: {e}")
-        sys.exit(2)
-    sys.exit(code or 0)
+        sys.exit(exits.USAGE)
+    except KeyboardInterrupt:
+        from proxies.core import mpi
+
+        mpi.interrupted(prog)
+    sys.exit(code or exits.OK)
 
 
 def wire_dtypes(args) -> tuple[str, str]:
@@ -319,5 +505,10 @@ def use_machine(args):
     if m is None:
         return None
     if m.device_flops and not getattr(args, "device_tflops_given", False):
+        if not TFLOPS_MIN <= m.device_flops / 1e12 <= TFLOPS_MAX:  # as --device-tflops
+            raise UsageError(
+                f"{args.machine}: device rate {m.device_flops / 1e12:g} TFLOP/s is outside "
+                f"{TFLOPS_MIN:g}..{TFLOPS_MAX:g}"
+            )
         args.device_tflops = m.device_flops / 1e12
     return m

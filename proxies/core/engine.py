@@ -276,7 +276,7 @@ class Engine:
         elif self.mode == "model":
             duration = op.model_seconds(self.rate)
             if duration:
-                time.sleep(duration)
+                time.sleep(min(duration, 1e6))  # cli.TIMEOUT_MAX_S; past ~9e9 s sleep overflows
 
     # -- point to point --------------------------------------------------------------------
     def _p2p(self, op: P2P, t: IterationTimes) -> None:

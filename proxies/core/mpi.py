@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
 from proxies.core import exits, supervisor
@@ -103,6 +105,47 @@ def abort_on_exception(comm, prog: str) -> None:
         end(exits.FAILED, comm)
 
     sys.excepthook = hook
+
+
+# What the run is doing now, for the line Ctrl-C prints (the runner points it at the
+# watchdog's last beat: "iteration 3 op 5/20: allreduce ...").
+_where: Callable[[], str] | None = None
+INTERRUPT_GRACE_S = 2.0  # how long other ranks leave rank 0 to say it and end the job
+
+
+def set_where(where: Callable[[], str] | None) -> None:
+    global _where
+    _where = where
+
+
+def interrupted(prog: str) -> NoReturn:
+    """Ctrl-C (the launcher forwards SIGINT to every rank): one line, exit 130, no traceback.
+
+    Rank 0 prints and aborts the job. Other ranks stay quiet for a grace period, the time
+    rank 0 needs; a rank still alive after it (rank 0 blocked inside a C MPI call, which
+    Python cannot interrupt) says it itself and aborts, so the job never hangs.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not raise mid-exit
+    where = "while starting"
+    if _where is not None:
+        try:
+            what = _where()
+            where = f"in {what}" if what.startswith("iteration") else f"while {what}"
+        except Exception:  # noqa: BLE001 (the line matters more than the detail)
+            pass
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        from proxies.core import cli
+
+        cli.say(f"{prog}: interrupted {where}")
+        sys.exit(exits.INTERRUPTED)
+    comm = MPI.COMM_WORLD
+    if comm.rank != 0:
+        time.sleep(INTERRUPT_GRACE_S)
+    rank = f" (rank {comm.rank})" if comm.rank else ""
+    sys.stdout.flush()
+    print(f"{prog}: interrupted {where}{rank}", file=sys.stderr, flush=True)
+    end(exits.INTERRUPTED, comm)
 
 
 QUERY, REPLY = 1, 2  # tags on the watchdog's own communicator

@@ -6,6 +6,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -211,13 +212,50 @@ def print_report(
         out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
 
 
-def write_json(path: str, result: dict) -> None:
-    """Write atomically: a reader never sees half a file."""
+def write_json(path: str, result: dict | list, *, prog: str = "proxies") -> str | None:
+    """Write the results as JSON: see save."""
+    return save(path, json.dumps(result, indent=1) + "\n", prog=prog, suffix=".json")
+
+
+def save(path: str, text: str, *, prog: str = "proxies", suffix: str = ".json") -> str | None:
+    """Write atomically (a reader never sees half a file); never lose a finished run's results.
+
+    The folder was checked before the run (cli.output_problem), but it can still fail at
+    the end (disk full, folder removed): then the text goes to ./proxies-results-<time><suffix>
+    or, failing that, the temp folder, and stderr says where. Returns the path written, or
+    None when nothing could be written (the caller exits non-zero). No temp file is left.
+    """
+    problem = _write_atomic(path, text)
+    if problem is None:
+        return path
+    name = f"proxies-results-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{suffix}"
+    for folder in (os.getcwd(), tempfile.gettempdir()):
+        fallback = os.path.join(folder, name)
+        if _write_atomic(fallback, text) is None:
+            print(
+                f"{prog}: could not write {path} ({problem}); the results are in {fallback}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return fallback
+    print(f"{prog}: could not write {path} ({problem}) nor a fallback", file=sys.stderr, flush=True)
+    return None
+
+
+def _write_atomic(path: str, text: str) -> str | None:
+    """Write `text` to `path` via a temp file beside it; the problem in words, or None."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return e.strerror or str(e)
+    return None
 
 
 def timestamp() -> str:

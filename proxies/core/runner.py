@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.core import cli, faults, report, threads, waits
+from proxies.core import cli, exits, faults, report, threads, waits
 from proxies.core.engine import (
     HIDDEN,
     CheckError,
@@ -181,8 +181,8 @@ def dry_run(job: Job, args, machine=None) -> int:
         if fields is None:
             return 1
         out |= fields
-    if args.json:
-        report.write_json(args.json, out)
+    if args.json and report.write_json(args.json, out, prog=job.prog) is None:
+        return exits.FAILED
     return 0
 
 
@@ -306,14 +306,17 @@ def book_overhead_and_tail(MPI, world, timed: list[IterationTimes]) -> None:
 
 
 def run(job: Job, args, MPI, machine=None) -> int:
-    from proxies.core import exits
-    from proxies.core.mpi import Watchdog, abort_on_exception, end
+    from proxies.core.mpi import Watchdog, abort_on_exception, end, set_where
     from proxies.core.mpi import describe as mpi_describe
 
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
+    # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
+    # kernel per rank as its values overflow.
+    np.seterr(over="ignore", invalid="ignore")
     watchdog = Watchdog(world, job.prog, args.timeout)
+    set_where(lambda: watchdog.what)  # for the line Ctrl-C prints
     watchdog.busy("building this rank's plan")
     plan = job.plan(rank)
     watchdog.beat("creating the communicators (a collective over every rank)")
@@ -382,9 +385,12 @@ def run(job: Job, args, MPI, machine=None) -> int:
     replays = world.gather(replay, root=0) if machine is not None and replay else None
     total_loss = np.zeros_like(losses)
     world.Reduce(losses, total_loss, op=MPI.SUM, root=0)
+    # Each rank's first iteration with a non-finite loss (for the message; one gather).
+    bad = np.flatnonzero(~np.isfinite(losses[:, 0]))
+    firsts = world.allgather(int(bad[0]) if bad.size else -1)  # every rank exits alike
     watchdog.stop()
     if rank != 0:
-        return 0
+        return exits.DIVERGED if args.compute == "real" and diverged(firsts) else exits.OK
 
     result = {
         "proxy": job.proxy,
@@ -402,11 +408,32 @@ def run(job: Job, args, MPI, machine=None) -> int:
     if args.compute == "replay":
         result["replay_s"] = {f"{k[0]}/{k[1]}": v for k, v in sorted(replay.items())}
     report.print_report(result, job.header + [run_line(result, args)], quiet=args.quiet)
+    code = exits.OK
+    if args.compute == "real" and diverged(firsts):
+        it, who = diverged(firsts)
+        print(
+            f"{job.prog}: the loss is not finite from iteration {it} on (first seen on rank "
+            f"{who}, {job.label(who)}): a learning rate too high for this model?",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = exits.DIVERGED
+        # strict JSON has no NaN or Infinity: null stands for a loss that was not finite
+        result["loss"] = [x if np.isfinite(x) else None for x in result.get("loss", [])]
     if args.json:
-        report.write_json(args.json, result)
+        written = report.write_json(args.json, result, prog=job.prog)
+        if written is None:
+            return exits.FAILED
+        args.json = written  # compare() rewrites the same file
     if machine is not None:
         compare(job, args, machine, result, replays)
-    return 0
+    return code
+
+
+def diverged(firsts: list[int] | None) -> tuple[int, int] | None:
+    """(iteration, rank) of the earliest non-finite loss over ranks (-1: none), or None."""
+    seen = [(it, r) for r, it in enumerate(firsts or []) if it >= 0]
+    return min(seen) if seen else None
 
 
 def compare(job: Job, args, machine, result: dict, replays) -> None:
@@ -422,7 +449,7 @@ def compare(job: Job, args, machine, result: dict, replays) -> None:
     prediction.print_comparison(result, predicted, console)
     result |= prediction.json_fields(pred, predicted, note)
     if args.json:
-        report.write_json(args.json, result)
+        report.write_json(args.json, result, prog=job.prog)
 
 
 def run_line(result: dict, args) -> str:
@@ -442,6 +469,7 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     machine = cli.use_machine(args)
     if args.dry_run:
+        cli.check_output(args.json)  # before planning, however long that takes
         world = args.world_size or cli.env_world_size() or 1
         return dry_run(job_from_args(args, world), args, machine)
     if args.world_size is not None:
@@ -461,5 +489,7 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
         faults.attach(job, args)  # checked against the job; in the header and config
     except cli.UsageError as e:
         job, error = None, str(e)
+    if error is None and MPI.COMM_WORLD.rank == 0:  # rank 0 writes the results
+        error = cli.output_problem(args.json)
     mpi.agree(MPI.COMM_WORLD, error, parser.prog.removeprefix("python -m "))
     return run(job, args, MPI, machine)

@@ -53,19 +53,36 @@ def local_ranks() -> int:
 AUTO_MARK = "PROXIES_BLAS_THREADS_AUTO"
 
 
+def parse_threads(value: str) -> int | None:
+    """The thread count an OpenMP runtime takes from OMP_NUM_THREADS: a comma-separated list
+    of positive integers, one per nesting level, of which a BLAS call uses the first ("4,2":
+    4). None for anything else ("abc", "0", "-1", "", "4,x"): OpenMP ignores such a value,
+    and so does OpenBLAS (its atoi reads 0, "unset"), so the library's own default applies.
+    """
+    levels = [v.strip() for v in value.split(",")]
+    if all(v.isascii() and v.isdigit() and int(v) > 0 for v in levels):
+        return int(levels[0])
+    return None
+
+
 def pin_blas_threads() -> None:
     global decision
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_SPIN_EXPONENT)
     cores, ranks = cores_available(), local_ranks()
     mark = os.environ.get(AUTO_MARK)
     ours = mark is not None and all(os.environ.get(v) == mark for v in BLAS_VARS)
-    user = None if ours else next((v for v in BLAS_VARS if v in os.environ), None)
-    if user is not None:
-        threads = int(os.environ[user]) if os.environ[user].isdigit() else 0
-        decision = (threads, ranks, cores, f"user ({user})")
+    given = [] if ours else [v for v in BLAS_VARS if v in os.environ]
+    valid = [v for v in given if parse_threads(os.environ[v]) is not None]
+    if valid:
+        user, value = valid[0], os.environ[valid[0]]
+        threads = parse_threads(value)
+        nested = f", {threads} at the outer level" if "," in value else ""
+        decision = (threads, ranks, cores, f"user ({user}={value.strip()}{nested})")
         return
+    # Values OpenMP would ignore are reported as ignored, and replaced by the choice below.
+    ignored = "".join(f"; {v}={os.environ[v]!r} ignored (not a thread count)" for v in given)
     threads = max(1, cores // ranks)
     for var in BLAS_VARS:
         os.environ[var] = str(threads)
     os.environ[AUTO_MARK] = str(threads)
-    decision = (threads, ranks, cores, "cores / ranks on node")
+    decision = (threads, ranks, cores, "cores / ranks on node" + ignored)

@@ -110,12 +110,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lr",
-        type=cli.positive_float,
+        type=cli.learning_rate,
         default=1e-3,
-        help="SGD learning rate (default 0.001, the MLPerf reference's base rate)",
+        help=f"SGD learning rate, in (0, {cli.LR_MAX:g}] (default 0.001, the MLPerf "
+        "reference's base rate)",
     )
     p.add_argument(
-        "--momentum", type=float, default=0.9, help="SGD momentum (default 0.9, as MLPerf)"
+        "--momentum",
+        type=cli.momentum,
+        default=0.9,
+        help="SGD momentum, in [0, 1) (default 0.9, as MLPerf)",
     )
     p.add_argument(
         "--layer-times",

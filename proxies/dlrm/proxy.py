@@ -111,7 +111,9 @@ def parser() -> argparse.ArgumentParser:
         "divisor of D that gives every rank a shard)",
     )
     p.add_argument(
-        "--lr", type=cli.positive_float, help="SGD learning rate (default: the preset's)"
+        "--lr",
+        type=cli.learning_rate,
+        help=f"SGD learning rate, in (0, {cli.LR_MAX:g}] (default: the preset's)",
     )
     p.add_argument(
         "--schedule",

@@ -56,7 +56,7 @@ from functools import partial
 
 import numpy as np
 
-from proxies.core import cli
+from proxies.core import cli, exits, report
 from proxies.core import threads as blas_threads
 from proxies.gpt2.config import PRESETS, GPT2Config
 from proxies.gpt2.data import Synthetic, batch
@@ -600,8 +600,7 @@ def run(args) -> int:
     shapes = parse_shapes(args.memory_child or args.shapes, cfg)
     if args.memory_child:
         return memory_child(cfg, *shapes[0], args.seed)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise cli.UsageError(f"--json {args.json}: no such directory")
+    cli.check_output(args.json)
     torch = None
     if args.torch:
         try:
@@ -675,8 +674,8 @@ def run(args) -> int:
             "tolerances": {"loss": LOSS_TOL, "loss_last": LOSS_TOL_LAST, "grad": GRAD_TOL},
             "results": records,
         }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        if report.write_json(args.json, result, prog=PROG) is None:
+            return exits.FAILED
     return 0 if all(checks_pass(r) for r in records) else 1
 
 

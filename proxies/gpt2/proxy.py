@@ -43,6 +43,7 @@ PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
 MAX_TAG_MICROBATCHES = 16383  # pipeline tags stay below 32768, MPI's guaranteed minimum
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
+MAX_BUCKET_MB = 1e6  # a bucket past a TiB is one bucket
 
 
 def parser() -> argparse.ArgumentParser:
@@ -122,7 +123,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket-mb",
-        type=nonneg_float,
+        type=cli.number(
+            min=0, max=MAX_BUCKET_MB, what=f"a number >= 0 (MiB, at most {MAX_BUCKET_MB:g})"
+        ),
         metavar="MB",
         help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
         f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
@@ -131,16 +134,24 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--zero",
-        type=int,
+        type=cli.integer(min=0, max=1, what="0 or 1"),
         choices=(0, 1),
         default=0,
         help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
     p.add_argument(
-        "--lr", type=cli.positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)"
+        "--lr",
+        type=cli.learning_rate,
+        default=1e-3,
+        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}] (default 1e-3)",
     )
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument(
+        "--weight-decay",
+        type=cli.weight_decay,
+        default=0.0,
+        help="AdamW weight decay, in [0, 1] (default 0)",
+    )
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
@@ -151,16 +162,6 @@ def parser() -> argparse.ArgumentParser:
         "mode it allows)",
     )
     return p
-
-
-def nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
 
 
 def split_layers(L: int, pp: int) -> list[range]:

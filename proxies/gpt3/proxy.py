@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, faults, report, runner, threads
+from proxies.core import cli, exits, faults, report, runner, threads
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -152,10 +152,11 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--capacity-factor",
-        type=cli.positive_float,
+        type=cli.number(min=0, open_min=True, max=1000, what="a capacity factor in (0, 1000]"),
         default=1.0,
         metavar="CF",
-        help="expert capacity = ceil(CF * K * tokens / E) per source rank; tokens past it drop",
+        help="expert capacity = ceil(CF * K * tokens / E) per source rank; tokens past it "
+        "drop; in (0, 1000]",
     )
     g.add_argument(
         "--moe-ffn-hidden",
@@ -200,8 +201,15 @@ def parser() -> argparse.ArgumentParser:
         help="only the transformer layers, no embedding, LM head or loss: the C++ proxy's "
         "pattern (compute model/none only)",
     )
-    p.add_argument("--lr", type=cli.positive_float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument(
+        "--lr",
+        type=cli.learning_rate,
+        default=1e-4,
+        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}]",
+    )
+    p.add_argument(
+        "--weight-decay", type=cli.weight_decay, default=0.0, help="AdamW weight decay, in [0, 1]"
+    )
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
@@ -887,7 +895,7 @@ def dry_run(args, world: int, machine=None) -> int:
         stage_of = [grid.coords(r)["pp"] for r in range(world)]
         by_stage = {s: p.bytes_by_category() for s, p in plans.items()}
         cats = sorted({c for b in by_stage.values() for c in b})
-        report.write_json(
+        written = report.write_json(
             args.json,
             {
                 "proxy": "gpt3",
@@ -905,7 +913,10 @@ def dry_run(args, world: int, machine=None) -> int:
                 "comm_only_bytes_per_rank": max(pools),
                 **predicted,
             },
+            prog=PROG,
         )
+        if written is None:
+            return exits.FAILED
     return 0
 
 
@@ -936,6 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.dry_run:
+        cli.check_output(args.json)  # before planning, however long that takes
         machine = cli.use_machine(args)
         world = args.world_size or cli.env_world_size() or 1
         if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
