@@ -223,6 +223,9 @@ def add_common(
         "without asynchronous progress moves nothing during compute)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
+    from proxies.core import memory  # imports cli: here, not at the top
+
+    memory.add_option(g)
     add_machine(p)
 
 
