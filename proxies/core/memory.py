@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from proxies.core import cli, threads
 from proxies.core.plan import P2P, Collective, Plan, itemsize
