@@ -284,7 +284,7 @@ def dry_run_lines(estimates: dict[str, dict[str, int]], compute: str) -> list[st
     for name, est in estimates.items():
         seen.setdefault(tuple(est.items()), []).append(name)
     for parts, names in seen.items():
-        where = names[0] if len(seen) == 1 else ", ".join(names)
+        where = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({len(names)})"
         prefix = "memory per rank" if len(seen) == 1 else f"memory per rank, {where}"
         lines.append(f"{prefix} (--compute {compute}, estimated): {describe(dict(parts))}")
     node, what = node_memory()
