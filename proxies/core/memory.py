@@ -61,6 +61,7 @@ MAX_ITERS = 1_000_000  # --iters, --warmup: a million iterations of even 1 ms is
 # 120 MB; at 10^8 it took 29 s and 6 GB (per-rank arrays and JSON lists).
 MAX_WORLD = 1 << 20
 MAX_LAYERS = 10_000  # LAYERS: 100x today's deepest models; plans and layouts are per layer
+MAX_TABLES = 100_000  # DLRM --tables: 4,000x Criteo's 26; plans and layouts are per table
 
 
 def add_option(group: argparse._ArgumentGroup) -> None:
@@ -229,11 +230,13 @@ def check_counts(args) -> None:
 
 
 def check_layers(layers: int) -> None:
-    if layers > MAX_LAYERS:
-        raise cli.UsageError(
-            f"LAYERS = {layers:,}: at most {MAX_LAYERS:,} (plans and parameter layouts are "
-            "built layer by layer)"
-        )
+    check_count("LAYERS =", layers, MAX_LAYERS, "plans and parameter layouts are per layer")
+
+
+def check_count(what: str, value: int, limit: int, why: str) -> None:
+    """UsageError when a count is above its documented maximum."""
+    if value > limit:
+        raise cli.UsageError(f"{what} {value:,}: at most {limit:,} ({why})")
 
 
 def budget(args) -> tuple[int, str] | None:

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from proxies.core import cli, runner
+from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan
 from proxies.dlrm.config import PRESETS, DLRMConfig
@@ -301,6 +301,7 @@ def describe_messages(layout: Layout, cfg: DLRMConfig, world: int) -> str:
 
 
 def make_job(args, world: int) -> runner.Job:
+    memory.check_count("--tables", args.tables or 0, memory.MAX_TABLES, "plans are per table")
     cfg, uncapped = resolve(args)
     NT, B = cfg.tables, cfg.batch
     if B % world:
