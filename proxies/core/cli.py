@@ -390,8 +390,10 @@ def add_common(
         "without asynchronous progress moves nothing during compute)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
+    from proxies.core import memory  # imports cli: here, not at the top
     from proxies.core.faults import add_faults  # (faults.py imports this module)
 
+    memory.add_option(g)
     add_faults(p)  # --slow-rank, --jitter, --slow-link, --kill-rank
     add_machine(p)
 

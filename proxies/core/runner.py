@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, report, threads, waits
+from proxies.core import cli, exits, faults, memory, report, threads, waits
 from proxies.core.engine import (
     HIDDEN,
     CheckError,
@@ -53,6 +53,9 @@ class Job:
     # Grid dimensions whose members run the same plan op for op (replicas): a prediction of
     # a large world simulates one rank per combination of the other coordinates.
     fold: tuple[str, ...] = ("dp",)
+    # World rank -> its estimated memory for the run's --compute mode: {part: bytes}
+    # (core/memory.py adds the shared parts); None: no estimate, never refused.
+    memory: Callable[[int], dict[str, int]] | None = None
 
     def __post_init__(self) -> None:
         act, grad = self.dtypes
@@ -162,6 +165,9 @@ def dry_run(job: Job, args, machine=None) -> int:
         f"busiest rank computes {busy:.4f} s of it)"
         + ("" if machine else "; --machine FILE predicts communication too")
     )
+    estimates = memory.by_label(job, reps) if job.memory else {}
+    for line in memory.dry_run_lines(estimates, args.compute):
+        console.print(line)
     out = {
         "proxy": job.proxy,
         "dry_run": True,
@@ -170,6 +176,8 @@ def dry_run(job: Job, args, machine=None) -> int:
         "grid": job.grid.describe(),
         "free_comm_iter_time_s": sim.time,
     }
+    if estimates:
+        out["memory_bytes"] = estimates  # per stage (label): {part: bytes}
     rep = rep_of if dims else range(world)
     by_rep = {r: p.bytes_by_category() for r, p in plans.items()}
     out["bytes"] = {
@@ -467,6 +475,7 @@ def run_line(result: dict, args) -> str:
 def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
+    memory.check_counts(args)
     machine = cli.use_machine(args)
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
@@ -487,6 +496,7 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     try:
         job, error = job_from_args(args, MPI.COMM_WORLD.size), None
         faults.attach(job, args)  # checked against the job; in the header and config
+        memory.refuse_rank(job, args, MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
     except cli.UsageError as e:
         job, error = None, str(e)
     if error is None and MPI.COMM_WORLD.rank == 0:  # rank 0 writes the results

@@ -55,6 +55,7 @@ from proxies.cosmoflow.config import (
     validate,
 )
 from proxies.cosmoflow.describe import derivation, describe
+from proxies.cosmoflow.memory import estimate as estimate_memory
 
 PROG = "proxies.cosmoflow"
 DEFAULT_MODEL = "cosmoflow-tiny"
@@ -533,7 +534,7 @@ def make_job(args, world: int) -> runner.Job:
     header = describe(PROG, cfg, shards, dp, B, G, args)
     if args.dry_run:
         header += derivation(cfg, shards, B, world)
-    return runner.Job(
+    job = runner.Job(
         PROG,
         "cosmoflow",
         config,
@@ -546,6 +547,10 @@ def make_job(args, world: int) -> runner.Job:
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"conv_allreduce", "dense_allreduce"}),
     )
+    job.memory = lambda rank: estimate_memory(
+        cfg, shards, grid.coords(rank)["sp"], B, args.compute, job.plan(rank)
+    )
+    return job
 
 
 def main(argv: list[str] | None = None) -> int:

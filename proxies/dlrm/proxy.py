@@ -31,11 +31,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from proxies.core import cli, runner
+from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan
 from proxies.dlrm.config import PRESETS, DLRMConfig
 from proxies.dlrm.data import Synthetic
+from proxies.dlrm.memory import estimate as estimate_memory
 from proxies.dlrm.model import DLRMShard
 from proxies.dlrm.plans import TABLE_WISE, Layout, compute_ops, plan_ops  # noqa: F401 (tests use them)
 from proxies.dlrm.sharding import owned_shards, row_range, slots
@@ -302,6 +303,7 @@ def describe_messages(layout: Layout, cfg: DLRMConfig, world: int) -> str:
 
 
 def make_job(args, world: int) -> runner.Job:
+    memory.check_count("--tables", args.tables or 0, memory.MAX_TABLES, "plans are per table")
     cfg, uncapped = resolve(args)
     NT, B = cfg.tables, cfg.batch
     if B % world:
@@ -414,6 +416,9 @@ def make_job(args, world: int) -> runner.Job:
     # tables; otherwise each rank measures its own ops ("self" names no group). Row-wise
     # lookups depend on which ids fall in a rank's rows: each measures its own.
     job.replay_share = "dp" if padding == 0 and layout.kind != "row" else "self"
+    job.memory = lambda rank: estimate_memory(
+        cfg, rank, world, layout.kind, layout.columns, args.compute, job.plan(rank)
+    )
     return job
 
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from proxies.core import cli, runner
+from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
@@ -389,6 +389,7 @@ def make_job(args, world: int) -> runner.Job:
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
+    memory.check_layers(L)
     cfg = cfg.with_layers(L)
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
     if pp > L:
@@ -528,7 +529,7 @@ def make_job(args, world: int) -> runner.Job:
         + (source.describe() if source is not None else args.data or "none")
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
-    return runner.Job(
+    job = runner.Job(
         PROG,
         "gpt2",
         config,
@@ -541,6 +542,16 @@ def make_job(args, world: int) -> runner.Job:
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
     )
+    job.memory = lambda rank: estimate_memory(cfg, split, grid, args, job.plan, rank)
+    return job
+
+
+def estimate_memory(cfg, split, grid, args, plan, rank: int) -> dict[str, int]:
+    from proxies.gpt2.memory import estimate
+
+    c = grid.coords(rank)
+    s, dp = c["pp"], grid.degree("dp")
+    return estimate(cfg, split[s], s, len(split), dp, c["dp"], args, plan(rank))
 
 
 # Gradient reductions (--grad-dtype); the rest, ZeRO's parameter allgather included, is --dtype.

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections import defaultdict
 from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, report, runner, threads
+from proxies.core import cli, exits, faults, memory, report, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -49,12 +48,12 @@ from proxies.gpt3.config import (
     padded_vocab,
 )
 from proxies.gpt3.layout import Layout, Unit
+from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.gpt3.templates import Templates
 
 PROG = "proxies.gpt3"
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 ORDERS = {"cpp": "pp-tp-ep-dp", "megatron": "tp-ep-dp-pp"}
-REAL_MEMORY_FRACTION = 0.5  # real compute refuses models needing more of this machine's RAM
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,6 +250,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     """Check the options against each other and the world size; UsageError names the rule."""
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
+    memory.check_layers(L)
     cfg = cfg.with_layers(L)
     pp, tp, v, B = args.stages, args.tp, args.virtual_stages, args.micro_batch
     T = args.seq_len or cfg.max_seq_len
@@ -351,37 +351,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         grid = ProcessGrid.create(order, **degrees)
     except ValueError as e:
         raise err(str(e)) from None
-    if args.compute in ("real", "replay"):
-        need = real_memory(S)
-        have = _physical_memory()
-        local = 1 if args.dry_run else min(world, threads.local_ranks())
-        if have and need * local > REAL_MEMORY_FRACTION * have:
-            raise err(
-                f"--compute {args.compute}: {args.model} needs about {need / 2**30:,.1f} GiB per "
-                f"rank for real compute, too much for {local} rank(s) on this machine's "
-                f"{have / 2**30:,.0f} GiB: use --compute model or none, or a smaller preset"
-            )
     return S, grid, {"schedule": schedule}
-
-
-def real_memory(S: Setup) -> float:
-    """Rough bytes per rank for real compute: parameters, gradients and AdamW moments of the
-    largest stage, plus the saved activations of the micro-batches in flight."""
-    cfg, C = S.cfg, S.cfg.n_embd
-    stage = max(range(S.pp), key=lambda s: Layout(S, s).dense_size + Layout(S, s).expert_size)
-    lay = Layout(S, stage)
-    params = lay.dense_size + lay.expert_size
-    per_layer = S.B * S.T * (20 * C / S.tp + 10 * C + 2 * cfg.n_head / S.tp * S.T)
-    inflight = min(S.m, S.pp) * S.v
-    layers = max(len(r) for r in S.split)
-    return 4.0 * (4 * params + inflight * layers * per_layer)
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -696,6 +666,9 @@ def make_job(args, world: int) -> runner.Job:
         fold=("tp", "dp"),
     )
     job.setup = S  # for the dry run
+    job.memory = lambda rank: estimate_memory(
+        S, grid.coords(rank)["pp"], schedule, args.compute, job.plan(rank)
+    )
     return job
 
 
@@ -824,6 +797,9 @@ def dry_run(args, world: int, machine=None) -> int:
         f"comm-only memory (compute model/none): {max(pools) / 2**30:,.2f} GiB per rank of "
         f"message buffers, at most (no parameters are allocated)"
     )
+    estimates = memory.by_label(job, reps)
+    for line in memory.dry_run_lines(estimates, args.compute):
+        console.print(line)
 
     # traffic per rank and dimension, stages with identical traffic merged
     t = Table(title="traffic per rank per iteration, by dimension", title_justify="left")
@@ -911,6 +887,7 @@ def dry_run(args, world: int, machine=None) -> int:
                 },
                 "bytes": {c: [by_stage[stage_of[r]].get(c, 0) for r in range(world)] for c in cats},
                 "comm_only_bytes_per_rank": max(pools),
+                "memory_bytes": estimates,
                 **predicted,
             },
             prog=PROG,
@@ -946,6 +923,7 @@ def _setup_of(job: runner.Job) -> tuple[Setup, ProcessGrid]:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    memory.check_counts(args)
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
         machine = cli.use_machine(args)

@@ -1,0 +1,82 @@
+"""Per-rank memory of the GPT-3 proxy, from the shapes its runtime allocates (core/memory.py
+adds MPI's scratch, wire staging and the interpreter).
+
+Real/replay compute (model.StageShard): the tensor-parallel shard of the stage's dense and
+expert parameters, their gradients and AdamW moments, one saved state per (micro-batch,
+chunk) in flight in the schedule, the backward's scratch, the collective buffers and one
+buffer per pipeline message. MoE's per-piece temporaries (moe.py) are not modelled beyond
+the dispatch buffers. Model/none compute: the BufferPool of the plan (twice the largest
+message, not the gradients).
+"""
+
+from __future__ import annotations
+
+from proxies.core import memory
+from proxies.core.plan import Plan
+from proxies.core.schedules import SCHEDULES
+from proxies.gpt2.kernels import CLASSIFIER_CHUNK
+from proxies.gpt3.config import Chunk, Setup
+from proxies.gpt3.layout import Layout
+
+F32 = 4
+
+
+def saved_state(S: Setup, ch: Chunk) -> int:
+    """Bytes of StageShard._alloc for one chunk: its input and residual gradient, per layer
+    the sequence-shard (B,Ts,*) and full-sequence (B,T,*/tp) tensors, the local heads'
+    softmax, the head's statistics."""
+    B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
+    layer = B * (5 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
+    layer += B * (S.cfg.n_head // tp) * T * T
+    if not S.moe:
+        layer += 2 * B * T * 4 * C // tp
+    head = B * (Ts * C + 2 * Ts + T) if ch.head else 0
+    return F32 * (2 * B * Ts * C + len(ch.layers) * layer + head)
+
+
+def live_states(S: Setup, stage: int, schedule: str) -> list[int]:
+    """The most (micro-batch, chunk) states in flight at once, per chunk (interleaved
+    schedules hold different counts of each chunk)."""
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in SCHEDULES[schedule](S.pp, S.m, stage, S.v):
+        live[a.chunk] = live.get(a.chunk, 0) + (1 if a.kind == "F" else -1)
+        peak[a.chunk] = max(peak.get(a.chunk, 0), live[a.chunk])
+    return [peak.get(c, 0) for c in range(S.v)]
+
+
+def real_parts(S: Setup, stage: int, schedule: str) -> dict[str, int]:
+    lay = Layout(S, stage)
+    n = lay.dense_size + lay.expert_size
+    chunks = S.chunks(stage)
+    counts = live_states(S, stage, schedule)
+    acts = sum(k * saved_state(S, ch) for k, ch in zip(counts, chunks, strict=False))
+    B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
+    # backward scratch (dfch, dfch_gelu, datty, dqkv, partial), and the head's logit chunk
+    work = B * T * (8 * C // tp + C // tp + 3 * C // tp + (C if S.sp else 0))
+    if any(ch.head for ch in chunks):
+        rows = max(1, min(S.N, CLASSIFIER_CHUNK // max(1, S.vocab // tp)))
+        work += rows * (S.vocab // tp)
+    moe = S.moe
+    dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
+    bufs = S.N * C + tp * 3 * S.N + dispatch + lay.sp_size
+    return {
+        "parameters": F32 * n,
+        "gradients": F32 * n,
+        "optimizer": 2 * F32 * n,
+        "activations": acts,
+        "workspace": F32 * work,
+        "blas": memory.blas_workspace(),
+        "buffers": F32 * bufs,
+    }
+
+
+def estimate(S: Setup, stage: int, schedule: str, mode: str, plan: Plan) -> dict[str, int]:
+    """Bytes per part of one rank of `stage` under --compute `mode`."""
+    if mode in ("real", "replay"):
+        parts = real_parts(S, stage, schedule)
+        parts["buffers"] += memory.p2p_buffers(plan)  # StageShard.message, one per key
+        return memory.complete(parts, plan)
+    from proxies.gpt3.proxy import BufferPool
+
+    return memory.complete({"buffers": BufferPool(plan, S.inflight).nbytes}, plan)
