@@ -99,6 +99,11 @@ class Parser(argparse.ArgumentParser):
 
 
 INT_MAX = 2**63 - 1  # every count ends up in NumPy's int64 or MPI's counts
+# Counts whose work explodes (documented in the README, "Memory and huge counts"):
+MAX_ITERS = 1_000_000  # --iters, --warmup: a million iterations of even 1 ms is 17 minutes
+# --world-size of a dry run: at 2^20 ranks the folded dry run takes about a second and
+# 120 MB; at 10^8 it took 29 s and 6 GB (per-rank arrays and JSON lists).
+MAX_WORLD = 1 << 20
 
 
 class _Number:
@@ -156,6 +161,8 @@ class _Number:
         lo, hi = self.minimum, self.maximum
         below = lo is not None and (value < lo or (self.open_min and value == lo))
         above = hi is not None and (value > hi or (self.open_max and value == hi))
+        if above and self.integer and hi != INT_MAX:  # a documented cap: say it
+            raise argparse.ArgumentTypeError(f"{value:,}: at most {hi:,}")
         if below or above:
             raise argparse.ArgumentTypeError(f"expected {self.what}, got {text.strip()}")
         return value
@@ -288,11 +295,14 @@ def add_common(
     per preset); `compute_help` then says how, with the default."""
     g = p.add_argument_group("common proxy options")
     g.add_argument(
-        "--iters", type=positive_int, default=iters, help=f"timed iterations (default {iters})"
+        "--iters",
+        type=integer(min=1, max=MAX_ITERS, what="a positive integer"),
+        default=iters,
+        help=f"timed iterations (default {iters}; at most {MAX_ITERS:,})",
     )
     g.add_argument(
         "--warmup",
-        type=nonneg_int,
+        type=integer(min=0, max=MAX_ITERS, what="a non-negative integer"),
         default=warmup,
         help=f"untimed iterations before them (default {warmup})",
     )
@@ -354,7 +364,7 @@ def add_common(
     )
     g.add_argument(
         "--world-size",
-        type=positive_int,
+        type=integer(min=1, max=MAX_WORLD, what="a positive integer"),
         metavar="N",
         help="with --dry-run: plan for N ranks (default: the launcher's size, or 1)",
     )

@@ -475,7 +475,6 @@ def run_line(result: dict, args) -> str:
 def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
-    memory.check_counts(args)
     machine = cli.use_machine(args)
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes

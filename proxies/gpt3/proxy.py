@@ -923,7 +923,6 @@ def _setup_of(job: runner.Job) -> tuple[Setup, ProcessGrid]:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    memory.check_counts(args)
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
         machine = cli.use_machine(args)
