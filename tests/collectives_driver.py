@@ -31,7 +31,7 @@ from proxies.collectives import (
 )
 from proxies.collectives.program import execute
 from proxies.core import mpi
-from proxies.core.engine import Waiter
+from proxies.core.waiting import Waiter
 
 MPI = mpi.init()
 comm = MPI.COMM_WORLD

@@ -127,7 +127,7 @@ def p2p(comm, MPI, barrier, a: int, b: int, quick: bool) -> tuple[Level, dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from proxies.core import mpi
-    from proxies.core.engine import Waiter
+    from proxies.core.waiting import Waiter
 
     MPI = mpi.init()
     comm = MPI.COMM_WORLD

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size:
         raise cli.UsageError("--world-size only goes with --dry-run (a run has mpiexec's size)")
     from proxies.core import mpi, report
-    from proxies.core.engine import Waiter
+    from proxies.core.waiting import Waiter
 
     MPI = mpi.init()
     comm = MPI.COMM_WORLD

@@ -22,12 +22,11 @@ from proxies.core.engine import (
     CheckError,
     Engine,
     IterationTimes,
-    Waiter,
     describe,
-    split_collective_waits,
 )
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan, retype
+from proxies.core.waiting import Waiter
 
 
 @dataclass
@@ -377,7 +376,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
     watchdog.beat("collecting results")
     waits.attribute_collectives(MPI, comms, plan.groups, timed)
     waits.attribute_tail(MPI, world, timed)
-    split_collective_waits(MPI, comms, timed)
+    waits.split_collective_waits(MPI, comms, timed)
     book_overhead_and_tail(MPI, world, timed)
     cats = sorted({c for t in timed for c in t.seconds})
     row = {

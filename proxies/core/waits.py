@@ -64,3 +64,32 @@ def per_iteration(runs: list[IterationTimes]) -> dict[str, float]:
             total[peer] += s
     n = max(len(runs), 1)
     return {str(p): s / n for p, s in sorted(total.items()) if s > 0}
+
+
+def split_collective_waits(MPI, comms: dict, runs: list[IterationTimes]) -> None:
+    """Move each collective's wait-for-stragglers into "idle", in place.
+
+    For every collective instance, the group's smallest duration is the collective itself
+    (the last member to arrive waited least); the rest of a member's time was waiting.
+    One Allreduce(MIN) per group after the run: nothing is added inside iterations.
+    """
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for t in runs:
+        for group, _, dt in t.collectives:
+            by_group[group].append(dt)
+    core: dict[str, np.ndarray] = {}
+    for group in sorted(comms):
+        comm = comms[group]
+        if comm is None or group not in by_group:
+            continue
+        mine = np.array(by_group[group])
+        core[group] = np.empty_like(mine)
+        comm.Allreduce(mine, core[group], op=MPI.MIN)
+    cursor: dict[str, int] = defaultdict(int)
+    for t in runs:
+        for group, category, dt in t.collectives:
+            k = cursor[group]
+            cursor[group] += 1
+            fastest = float(core[group][k])
+            t.seconds[category] += fastest
+            t.seconds["idle"] += dt - fastest

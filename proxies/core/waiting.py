@@ -1,0 +1,103 @@
+"""How a rank waits for its peers, and how its non-blocking collectives keep moving.
+
+Waiting: MPI libraries busy-poll while they wait. With more ranks than cores that polling
+takes the cores from the ranks that have work (32 ranks on 2 cores: the last stage computed
+at a tenth of its speed). In "yield" mode every wait is a non-blocking test followed by a
+short sleep, backing off from 20 us to 1 ms; it costs up to ~1 ms latency per wait, which is
+why it is the default only for oversubscribed nodes (`Waiter`).
+
+Progress: an MPI without asynchronous progress advances a posted collective only inside MPI
+calls; `Progress` is the helper thread that keeps testing them while the rank computes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+SPIN_FIRST = 50e-6  # seconds a yielding wait tests without sleeping
+
+
+class Waiter:
+    """Blocking MPI waits ("spin", the library's own) or test-and-sleep ("yield")."""
+
+    def __init__(self, MPI, mode: str, max_sleep: float = 1e-3):
+        self.MPI, self.yielding, self.max_sleep = MPI, mode == "yield", max_sleep
+
+    def _poll(self, ready):
+        # Test back to back for a moment first: MPI's non-blocking schedules advance only
+        # inside a test, so a sleep between the rounds of a small collective costs a round.
+        deadline = time.perf_counter() + SPIN_FIRST
+        while time.perf_counter() < deadline:
+            out = ready()
+            if out:
+                return out
+        delay = 2e-5
+        while True:
+            out = ready()
+            if out:
+                return out
+            time.sleep(delay)
+            delay = min(2 * delay, self.max_sleep)
+
+    def probe(self, comm, source: int, tag: int, status):
+        if not self.yielding:
+            return comm.Mprobe(source, tag, status)
+        return self._poll(lambda: comm.Improbe(source, tag, status))
+
+    def waitall(self, reqs: list) -> None:
+        if not self.yielding:
+            self.MPI.Request.Waitall(reqs)
+        elif reqs:
+            self._poll(lambda: self.MPI.Request.Testall(reqs))
+
+    def barrier(self, comm) -> None:
+        if not self.yielding:
+            comm.Barrier()
+        else:
+            self.waitall([comm.Ibarrier()])
+
+
+class Progress:
+    """A helper thread that tests the pending non-blocking collectives every `interval`
+    seconds, as a GPU's communication stream or NCCL's proxy thread keeps them moving:
+    an MPI without asynchronous progress advances a posted allreduce only inside MPI calls,
+    so a rank busy computing (or sleeping, in model/replay compute) would leave it where it
+    was. It notes each one's completion time (the end of its hidden span).
+
+    MPI forbids two threads completing the same request, so the engine holds `lock` while
+    it starts, tests or waits for requests itself; the thread tests only under it. Needs
+    MPI_THREAD_MULTIPLE.
+    """
+
+    def __init__(self, MPI, pending: dict, interval: float = 1e-4):
+        self.MPI, self.pending, self.interval = MPI, pending, interval
+        self.lock = threading.Lock()
+        self.active = threading.Event()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="proxies-mpi-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        Testall, Wtime = self.MPI.Request.Testall, self.MPI.Wtime
+        while True:
+            self.active.wait()
+            with self.lock:
+                if self.closed:
+                    return
+                waiting = [e for e in self.pending.values() if e[5] is None]
+                for entry in waiting:
+                    if Testall(entry[2]):
+                        entry[5] = Wtime()
+                if not waiting:
+                    self.active.clear()  # until the engine posts another
+            time.sleep(self.interval)
+
+    def resume(self) -> None:
+        self.active.set()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        self.active.set()
+        self.thread.join()
