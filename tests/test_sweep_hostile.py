@@ -11,23 +11,11 @@ import textwrap
 
 import pytest
 from launch import ROOT
+from test_sweep import TINY  # the one tiny sweep file the sweep tests share
 
 from proxies.core import exits
 from proxies.sweep import expr, preflight, runner, schema, yamlfile
 from proxies.sweep.schema import MAX_POINTS, MAX_REPEAT, SweepError, expand, load
-
-TINY = """
-name: t
-proxy: gpt2
-ranks: [1, 2]
-precheck: false
-args:
-  layers: 2
-  model: gpt2-tiny
-  seq_len: 16
-  iters: 1
-  warmup: 0
-"""
 
 
 def write(tmp_path, text, name="s.yaml") -> str:
