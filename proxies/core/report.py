@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from proxies.core.tables import plural
+
 # Display order and labels; categories a proxy adds (e.g. "tp_allreduce") follow these.
 LABELS = {
     "compute": "compute",
@@ -59,6 +61,39 @@ def label(category: str) -> str:
     return LABELS.get(category, category)
 
 
+# Short names for the tables' column headers when full labels would not fit (a legend
+# under the table spells them out); categories not listed here are shortened by `abbrev`.
+SHORT = {
+    "compute": "comp",
+    "pp": "pp",
+    "embed_allreduce": "tied ar",
+    "emb_alltoall": "emb a2a",
+    "emb_input": "ids a2a",
+    "emb_reduce_scatter": "emb rs",
+    "emb_allgather": "emb ag",
+    "ep_alltoall": "ep a2a",
+    "dtype_cast": "cast",
+    "fault_delay": "fault",
+    "overhead": "ovhd",
+}
+KINDS = {"allreduce": "ar", "allgather": "ag", "reduce_scatter": "rs", "alltoall": "a2a"}
+
+
+def abbrev(category: str) -> str:
+    """A short column header for a category: "conv_allreduce" -> "conv ar",
+    "dp_reduce_scatter_hidden" -> "dp rs hid"."""
+    hidden = category.endswith(HIDDEN)
+    base = category[: -len(HIDDEN)] if hidden else category
+    short = SHORT.get(base)
+    if short is None:
+        short = base.replace("_", " ")
+        for kind, k in KINDS.items():
+            if base.endswith("_" + kind):
+                short = f"{base[: -len(kind) - 1][:5]} {k}".replace("_", " ")
+                break
+    return short + (" hid" if hidden else "")
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -99,7 +134,7 @@ PEERS_SHOWN = 3
 
 def print_waits(result: dict, out) -> None:
     """Who waited for whom: each rank's idle and the peers it waited for most."""
-    from rich.table import Table
+    from proxies.core.tables import Column, show
 
     waited = result.get("waited_for")
     idle = result["breakdown_per_rank_s"].get("idle")
@@ -110,14 +145,20 @@ def print_waits(result: dict, out) -> None:
     if len(ranks) > WAITS_SHOWN:
         ranks = sorted(sorted(ranks, key=lambda r: -idle[r])[: WAITS_SHOWN // 2])
         title += f" ({len(ranks)} of {len(waited)} ranks, the most idle; all in --json)"
-    t = Table(title=title + ", seconds per iteration", title_justify="left")
-    for col in ("rank", "stage", "idle", "waited for (rank: seconds)"):
-        t.add_column(col, justify="right" if col in ("rank", "idle") else "left")
+    cols = [
+        Column("rank", key=True),
+        Column("stage", number=False, key=True),
+        Column("idle"),
+        Column("waited for (rank: seconds)", number=False),
+    ]
     labels = result["rank_labels"]
+    rows = []
     for r in ranks:
         top = sorted(waited[r].items(), key=lambda kv: -kv[1])[:PEERS_SHOWN]
-        t.add_row(str(r), labels[r], f"{idle[r]:.4f}", "   ".join(f"{p}: {s:.4f}" for p, s in top))
-    out.print(t)
+        rows.append(
+            [str(r), labels[r], f"{idle[r]:.4f}", "   ".join(f"{p}: {s:.4f}" for p, s in top)]
+        )
+    show(out, title + ", seconds per iteration", cols, rows)
 
 
 def stats(values: list[float]) -> dict:
@@ -138,18 +179,16 @@ def console():
 
 
 def print_report(
-    result: dict, header: list[str], quiet: bool = False, predicted: bool = False
+    result: dict, header: list[str], quiet: bool = False, predicted: bool = False, out=None
 ) -> None:
     """The measured (or, predicted=True, the predicted) iteration: summary, categories,
-    stages."""
-    from rich.table import Table
-
-    out = console()
+    stages (on `out`, a rich console: by default `console()`)."""
+    out = out or console()
     s = stats(result["iter_time_s"])
     n = len(result["iter_time_s"])
     summary = (
         f"time per iteration: mean {s['mean']:.4f} s, median {s['median']:.4f} s, "
-        f"min {s['min']:.4f} s, max {s['max']:.4f} s over {n} timed iterations "
+        f"min {s['min']:.4f} s, max {s['max']:.4f} s over {plural(n, 'timed iteration')} "
         f"(max over ranks)"
     )
     if predicted:
@@ -161,14 +200,26 @@ def print_report(
         out.print(line)
     out.print(summary)
 
-    mean_iter = s["mean"]
+    print_breakdown(result, out, mean_iter=s["mean"], predicted=predicted)
+    print_stages(result, out, predicted=predicted)
+    print_waits(result, out)
+    if result.get("loss"):
+        out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
+
+
+def print_breakdown(result: dict, out, *, mean_iter: float, predicted: bool = False) -> None:
+    """Where the time went: one row per category, mean and max over ranks, share, bytes."""
+    from proxies.core.tables import Column, show
+
     where = "where the time would go" if predicted else "where the time went"
-    t = Table(title=f"{where}, per iteration", title_justify="left")
-    t.add_column("category")
-    t.add_column("mean over ranks", justify="right")
-    t.add_column("max over ranks", justify="right")
-    t.add_column("share", justify="right")
-    t.add_column("bytes / rank (max)", justify="right")
+    cols = [
+        Column("category", number=False, key=True),
+        Column("mean over ranks"),
+        Column("max over ranks"),
+        Column("share"),
+        Column("bytes / rank (max)", number=False),
+    ]
+    rows = []
     byts = result["bytes"]
     for c, values in result["breakdown_s"].items():
         mean = statistics.fmean(values)
@@ -180,36 +231,35 @@ def print_report(
         share = f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-"
         if c.endswith(HIDDEN):
             share, btxt = "(overlapped)", ""
-        t.add_row(label(c), f"{mean:.4f} s", f"{mx:.4f} s", share, btxt)
-    out.print(t)
+        rows.append([label(c), f"{mean:.4f} s", f"{mx:.4f} s", share, btxt])
+    show(out, f"{where}, per iteration", cols, rows)
 
-    # Per rank group (e.g. pipeline stage): where imbalance and bubbles show.
+
+def print_stages(result: dict, out, *, predicted: bool = False) -> None:
+    """Per rank group (e.g. pipeline stage): where imbalance and bubbles show. The columns
+    are the breakdown table's categories, by the same names (abbreviated with a legend
+    when they would not fit)."""
+    from proxies.core.tables import Column, show, unique_shorts
+
     labels = result["rank_labels"]
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(labels):
         groups.setdefault(name, []).append(i)
-    if len(groups) > 1:
-        cats = list(result["breakdown_per_rank_s"])
-        t = Table(
-            title=("predicted " if predicted else "")
-            + "per stage, mean over its ranks, seconds per iteration",
-            title_justify="left",
-        )
-        t.add_column("ranks")
-        for c in cats:
-            t.add_column(c, justify="right")
-        for name, idx in groups.items():
-            t.add_row(
-                name,
-                *(
-                    f"{np.mean([result['breakdown_per_rank_s'][c][i] for i in idx]):.4f}"
-                    for c in cats
-                ),
-            )
-        out.print(t)
-    print_waits(result, out)
-    if result.get("loss"):
-        out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
+    if len(groups) < 2:
+        return
+    per = result["breakdown_per_rank_s"]
+    cats = list(per)
+    shorts = unique_shorts([abbrev(c) for c in cats])
+    cols = [Column("ranks", number=False, key=True)]
+    cols += [Column(label(c), short=s) for c, s in zip(cats, shorts, strict=True)]
+    rows = [
+        [name, *(f"{np.mean([per[c][i] for i in idx]):.4f}" for c in cats)]
+        for name, idx in groups.items()
+    ]
+    title = (
+        "predicted " if predicted else ""
+    ) + "per stage, mean over its ranks, seconds per iteration"
+    show(out, title, cols, rows)
 
 
 def write_json(path: str, result: dict | list, *, prog: str = "proxies") -> str | None:

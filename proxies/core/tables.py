@@ -1,0 +1,198 @@
+"""Every printed table goes through `show`: one layout policy for the whole suite.
+
+The policy, in order, until the table fits the console's width:
+
+1. as is (every header and cell on one line);
+2. text wrapped at spaces (headers and text cells, never inside a word);
+3. long headers replaced by their abbreviation (`Column.short`), with a legend printed
+   below the table naming each abbreviation in full;
+4. split into parts side by side in time (the `key` columns repeated in each part).
+
+Numbers are never cut, folded or wrapped: a number column is at least as wide as its widest
+cell, and rich only ever wraps a header at its spaces, since every column is at least as
+wide as its longest word. rich's own squeezing (which cuts headers to `conv_allredu…` until
+two read the same, and numbers to `0…`) never runs, because the widths handed to it fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A rich table with the default box spends, per column, one space each side and one rule,
+# plus the outer rule: width = sum(columns) + 3 * columns + 1.
+PER_COLUMN = 3
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    number: bool = True  # right-aligned, never wrapped or cut
+    short: str = ""  # abbreviation used when the table would not fit (legend below)
+    key: bool = False  # repeated in every part when the table is split
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 rank`, `2 ranks`, `1,024 ranks`."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+def si_count(n: float) -> str:
+    """A count in words a person reads at a glance: 21,310 -> "21.3 K", 3.42e6 -> "3.42 M",
+    1.75e11 -> "175 B" (billions, as model sizes are quoted)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g}"
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 8, 9, 10, 11] -> "0-3,8-11" (ranks sorted first)."""
+    out: list[str] = []
+    ordered = sorted(ranks)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _plain(cell: str) -> str:
+    from rich.text import Text
+
+    return Text.from_markup(cell).plain
+
+
+def _longest_word(text: str) -> int:
+    return max((len(w) for w in text.split()), default=0)
+
+
+def _widths(cols: list[Column], rows: list[list[str]], idx: list[int], short: bool):
+    """Per column (indices idx): (least width, natural width) and the headers shown."""
+    heads, least, full = [], [], []
+    for i in idx:
+        c = cols[i]
+        head = c.short if short and c.short else c.header
+        cells = [_plain(r[i]) for r in rows]
+        widest = max((len(x) for x in cells), default=0)
+        heads.append(head)
+        full.append(max(len(head), widest))
+        words = widest if c.number else max((_longest_word(x) for x in cells), default=0)
+        least.append(max(_longest_word(head), words, 1))
+    return heads, least, full
+
+
+def _fit(least: list[int], full: list[int], cols: list[Column], idx: list[int], avail: int):
+    """Widths from `least` up to `full` within `avail`: text columns get the room first, in
+    proportion to what each lacks (they are the ones that wrap into many lines), then the
+    headers of number columns."""
+    widths = list(least)
+    extra = avail - sum(widths)
+    for want_text in (True, False):
+        ks = [k for k, i in enumerate(idx) if cols[i].number != want_text]
+        lack = sum(full[k] - widths[k] for k in ks)
+        if extra <= 0 or lack <= 0:
+            continue
+        share = min(extra, lack)
+        for k in ks:
+            more = min(full[k] - widths[k], share * (full[k] - widths[k]) // lack)
+            widths[k] += more
+            extra -= more
+        for k in ks:  # what the rounding left, in order
+            more = min(extra, full[k] - widths[k])
+            widths[k] += more
+            extra -= more
+    return widths
+
+
+def _render(title, cols, rows, idx, heads, widths):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for i, head, w in zip(idx, heads, widths, strict=True):
+        c = cols[i]
+        t.add_column(head, justify="right" if c.number else "left", width=w, min_width=w)
+    for r in rows:
+        if r is None:
+            t.add_section()
+        else:
+            t.add_row(*(r[i] for i in idx))
+    return t
+
+
+def layout(cols: list[Column], rows: list[list[str] | None], width: int) -> dict:
+    """The plan `show` prints: {"parts": [column indices...], "short": bool}. Exposed for
+    tests."""
+    data = [r for r in rows if r is not None]
+    every = list(range(len(cols)))
+
+    def room(n: int) -> int:
+        return width - PER_COLUMN * n - 1
+
+    for short in (False, True):
+        if short and not any(c.short for c in cols):
+            break
+        _, least, _ = _widths(cols, data, every, short)
+        if sum(least) <= room(len(every)):
+            return {"parts": [every], "short": short}
+    # Split: the key columns in every part, the others packed in order.
+    short = any(c.short for c in cols)
+    keys = [i for i, c in enumerate(cols) if c.key]
+    rest = [i for i, c in enumerate(cols) if not c.key]
+    _, least, _ = _widths(cols, data, every, short)
+    parts: list[list[int]] = []
+    part: list[int] = []
+    for i in rest:
+        trial = keys + part + [i]
+        if part and sum(least[j] for j in trial) > room(len(trial)):
+            parts.append(keys + part)
+            part = []
+        part.append(i)
+    if part or not parts:
+        parts.append(keys + part)
+    return {"parts": parts, "short": short}
+
+
+def show(
+    out,
+    title: str,
+    cols: list[Column],
+    rows: list[list[str] | None],
+    *,
+    note: str = "",
+) -> None:
+    """Print the table on the rich console `out` (None rows: a section rule), by the policy
+    above; `note` is printed under it (before the legend)."""
+    data = [r for r in rows if r is not None]
+    plan = layout(cols, rows, out.width)
+    parts, short = plan["parts"], plan["short"]
+    used: dict[str, str] = {}
+    for n, idx in enumerate(parts):
+        heads, least, full = _widths(cols, data, idx, short)
+        widths = _fit(least, full, cols, idx, out.width - PER_COLUMN * len(idx) - 1)
+        name = title if len(parts) == 1 else f"{title} (part {n + 1} of {len(parts)})"
+        out.print(_render(name, cols, rows, idx, heads, widths))
+        for i, head in zip(idx, heads, strict=True):
+            if head != cols[i].header:
+                used[head] = cols[i].header
+    if note:
+        out.print(note)
+    if used:
+        # One per line: a legend a reader scans, never wrapped mid-entry by the terminal.
+        out.print("abbreviations:")
+        pad = max(len(s) for s in used)
+        for s, full in used.items():
+            out.print(f"  {s:<{pad}}  {full}")
+
+
+def unique_shorts(shorts: list[str]) -> list[str]:
+    """Abbreviations made distinct (a legend must name one thing per abbreviation)."""
+    seen: dict[str, int] = {}
+    out = []
+    for s in shorts:
+        seen[s] = seen.get(s, 0) + 1
+        out.append(s if seen[s] == 1 else f"{s}{seen[s]}")
+    return out
