@@ -81,7 +81,6 @@ class Job:
 
 def dry_run(job: Job, args, machine=None) -> int:
     from rich.markup import escape
-    from rich.table import Table
 
     from proxies.core import prediction
     from proxies.core.simulate import PlanError, simulate
@@ -97,51 +96,9 @@ def dry_run(job: Job, args, machine=None) -> int:
     for line in job.header:
         console.print(line)
 
-    title = "plan of one iteration, per rank"
-    if dims:
-        title += (
-            f" ({len(reps)} representatives of {world}: ranks differing only in "
-            f"{'/'.join(dims)} run the same plan)"
-        )
-    t = Table(title=title, title_justify="left")
-    for col in (
-        "rank",
-        "stage",
-        "coords",
-        "ops",
-        "p2p msgs",
-        "p2p sent",
-        "p2p recv",
-        "collectives",
-        "collective bytes",
-    ):
-        t.add_column(col, justify="right" if col not in ("stage", "coords") else "left")
-    for p in plans.values():
-        b = p.bytes_by_category()
-        sent = sum(v for k, v in b.items() if k.endswith("_send"))
-        recv = sum(v for k, v in b.items() if k.endswith("_recv"))
-        colls = [op for op in p.ops if isinstance(op, Collective)]
-        t.add_row(
-            str(p.rank),
-            job.label(p.rank),
-            " ".join(f"{k}{v}" for k, v in p.coords.items()),
-            str(len(p.ops)),
-            str(sum(1 for _ in p.messages())),
-            f"{sent:,}",
-            f"{recv:,}",
-            str(len(colls)),
-            f"{sum(op.nbytes for op in colls):,}",
-        )
-    console.print(t)
-
+    print_plan_table(console, job, plans, rep_of if dims else None, dims)
     for r in show_ranks(args.show_ranks, job, world, reps):
-        t = Table(title=f"rank {r} ({job.label(r)}): ops in order", title_justify="left")
-        for col in ("#", "op", "group", "peer", "buffer", "elements", "bytes"):
-            t.add_column(col, justify="right" if col in ("#", "elements", "bytes") else "left")
-        for i, op in enumerate(plans[r].ops if r in plans else job.plan(r).ops):
-            for row in op_rows(op):
-                t.add_row(str(i), *row)
-        console.print(t)
+        print_ops(console, job, r, (plans[r] if r in plans else job.plan(r)).ops)
 
     rate = args.device_tflops * 1e12
     checked = prediction.validation_plans(list(plans.values()))[0] if dims else list(plans.values())
@@ -156,7 +113,9 @@ def dry_run(job: Job, args, machine=None) -> int:
     nmsg = sum(1 for p in checked for _, _, d in p.messages() if d == "send")
     computes = ([op for op in p.ops if isinstance(op, Compute)] for p in checked)
     busy = max(sum(op.model_seconds(rate) for op in ops) for ops in computes)
-    which = f"{world} ranks" if not dims else f"{len(reps)} representatives of {world} ranks"
+    which = report.plural(world, "rank")
+    if dims:
+        which = f"{len(reps)} representatives of {which}"
     console.print(
         f"plan valid: {which}, {nmsg:,} messages matched, no deadlock. Iteration with "
         f"compute=model (known per-op times where the proxy has them, else FLOPs at "
@@ -193,10 +152,66 @@ def dry_run(job: Job, args, machine=None) -> int:
     return 0
 
 
+def print_plan_table(console, job: Job, plans: dict, rep_of, dims) -> None:
+    """The plan of one iteration per rank, ranks whose rows are identical apart from their
+    rank and coordinates grouped into one row (at 512 ranks: a row per distinct plan, not
+    512). `rep_of`: world rank -> the representative whose plan it runs (None: every
+    rank is in `plans`)."""
+    from proxies.core.tables import Column, rank_ranges, show
+
+    world = job.grid.size
+    values = {}
+    for p in plans.values():
+        b = p.bytes_by_category()
+        colls = [op for op in p.ops if isinstance(op, Collective)]
+        values[p.rank] = (
+            job.label(p.rank),
+            str(len(p.ops)),
+            str(sum(1 for _ in p.messages())),
+            f"{sum(v for k, v in b.items() if k.endswith('_send')):,}",
+            f"{sum(v for k, v in b.items() if k.endswith('_recv')):,}",
+            str(len(colls)),
+            f"{sum(op.nbytes for op in colls):,}",
+        )
+    groups: dict[tuple, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(values[int(rep_of[r]) if rep_of is not None else r], []).append(r)
+    single = all(len(g) == 1 for g in groups.values())
+    title = "plan of one iteration, per rank"
+    if not single:
+        title += " (ranks with identical plans apart from their coordinates share a row)"
+    if dims:
+        title += f"; ranks differing only in {'/'.join(dims)} run the same plan"
+    cols = [Column("ranks", number=False, key=True), Column("count")]
+    cols += [Column("coords", number=False)] if single else []
+    cols += [Column("stage", number=False), Column("ops"), Column("p2p msgs")]
+    cols += [Column("p2p bytes sent"), Column("p2p bytes recv"), Column("collectives")]
+    cols += [Column("collective bytes")]
+    rows = []
+    for vals, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        coords = plans[ranks[0]].coords if single else {}
+        where = [" ".join(f"{k}{v}" for k, v in coords.items())] if single else []
+        rows.append([rank_ranges(ranks), str(len(ranks)), *where, *vals])
+    show(console, title, cols, rows)
+
+
+def print_ops(console, job: Job, rank: int, ops) -> None:
+    """One rank's ops in order: messages and collectives with their sizes, computes with
+    their FLOPs (a column of their own)."""
+    from proxies.core.tables import Column, show
+
+    cols = [Column("#", key=True), Column("op", number=False), Column("group", number=False)]
+    cols += [Column("peer"), Column("buffer", number=False), Column("elements")]
+    cols += [Column("bytes"), Column("flop")]
+    rows = [[str(i), *row] for i, op in enumerate(ops) for row in op_rows(op)]
+    show(console, f"rank {rank} ({job.label(rank)}): ops in order", cols, rows)
+
+
 def op_rows(op) -> list[tuple[str, ...]]:
+    """Rows of the op listing: op, group, peer, buffer, elements, bytes, flop."""
     if isinstance(op, Compute):
         name = f"{op.name}" + (f" mb {op.mb}" if op.mb >= 0 else "")
-        return [(name, "", "", "", "", f"{op.flops:.3g} flop" if op.flops else "")]
+        return [(name, "", "", "", "", "", f"{op.flops:.3g}" if op.flops else "")]
     if isinstance(op, P2P):
         rows = []
         for d, msgs in (("send", op.sends), ("recv", op.recvs)):
@@ -209,12 +224,13 @@ def op_rows(op) -> list[tuple[str, ...]]:
                         f"{m.buf} mb {m.mb}",
                         f"{m.count:,}",
                         f"{m.nbytes:,}",
+                        "",
                     )
                 )
         return rows
     if isinstance(op, Collective):
-        return [(op.kind, op.group, "", op.buf, f"{op.count:,}", f"{op.nbytes:,}")]
-    return [(describe(op), "", "", "", "", "")]
+        return [(op.kind, op.group, "", op.buf, f"{op.count:,}", f"{op.nbytes:,}", "")]
+    return [(describe(op), "", "", "", "", "", "")]
 
 
 def show_ranks(spec: str | None, job: Job, world: int, reps=None) -> list[int]:

@@ -47,17 +47,22 @@ def si_count(n: float) -> str:
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 3, 8, 9, 10, 11] -> "0-3,8-11" (ranks sorted first)."""
-    out: list[str] = []
-    ordered = sorted(ranks)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
+    """Ranks as runs: [0, 1, 2, 3, 8, 9, 10, 11] -> "0-3, 8-11". Runs that repeat with a
+    fixed length and stride, as grid dimensions make them, are written by their first two
+    and last: every other rank of 512 -> "0, 2, ..., 510"; "0-3, 8-11, ..., 504-507"."""
+    runs: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    if len(runs) >= 4:
+        lengths = {b - a for a, b in runs}
+        strides = {runs[k + 1][0] - runs[k][0] for k in range(len(runs) - 1)}
+        if len(lengths) == 1 and len(strides) == 1:
+            text = [text[0], text[1], "...", text[-1]]
+    return ", ".join(text)
 
 
 def _plain(cell: str) -> str:

@@ -37,6 +37,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
 from proxies.core.schedules import SCHEDULES
+from proxies.core.tables import si_count
 from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
 from proxies.gpt2.proxy import split_layers
 from proxies.gpt3.config import (
@@ -730,7 +731,7 @@ def header_lines(args, S: Setup, grid: ProcessGrid, schedule: str, source) -> li
     return [
         f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, "
         f"V={cfg.vocab_size} padded to {S.vocab}) · {cfg.n_layer} layers = "
-        f"{cfg.num_params:,} parameters ({cfg.num_params / 1e9:,.2f} B)" + moe_txt,
+        f"{cfg.num_params:,} parameters ({si_count(cfg.num_params)})" + moe_txt,
         f"grid: tp {S.tp} x pp {S.pp} x dp {S.dp} (order {grid.order}) · layers per stage "
         + "-".join(map(str, per))
         + (f" in {S.v} chunks" if S.v > 1 else "")
@@ -771,9 +772,9 @@ def plan_traffic(plan: Plan) -> dict[tuple[str, str], list[int]]:
 
 def dry_run(args, world: int, machine=None) -> int:
     from rich.markup import escape
-    from rich.table import Table
 
     from proxies.core.simulate import PlanError, simulate
+    from proxies.core.tables import Column, show
 
     job = make_job(args, world)
     faults.attach(job, args)  # checked against the job; in the header and config
@@ -802,10 +803,10 @@ def dry_run(args, world: int, machine=None) -> int:
         console.print(line)
 
     # traffic per rank and dimension, stages with identical traffic merged
-    t = Table(title="traffic per rank per iteration, by dimension", title_justify="left")
-    for col in ("stages", "ranks each", "dimension", "group", "op", "count", "elements", "bytes"):
-        right = col in ("ranks each", "group", "count", "elements", "bytes")
-        t.add_column(col, justify="right" if right else "left")
+    cols = [Column("stages", number=False, key=True), Column("ranks each")]
+    cols += [Column("dimension", number=False), Column("group"), Column("op", number=False)]
+    cols += [Column("count"), Column("elements"), Column("bytes"), Column("size", number=False)]
+    table: list[list[str] | None] = []
     sizes = {name: len(members) for name, members in plans[0].groups.items()}
     for s in range(S.pp):
         sizes |= {n: len(m) for n, m in plans[s].groups.items()}
@@ -820,27 +821,24 @@ def dry_run(args, world: int, machine=None) -> int:
         name = str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
         rows = sorted(traffic[run[0]].items())
         for i, ((dim, what), (n, elems, nbytes)) in enumerate(rows):
-            t.add_row(
-                name if i == 0 else "",
-                str(per_stage) if i == 0 else "",
-                dim,
-                str(sizes.get(dim, S.pp if dim == "pp" else 1)),
-                what,
-                f"{n:,}",
-                f"{elems:,}",
-                f"{nbytes:,} ({report.human_bytes(nbytes)})",
+            table.append(
+                [
+                    name if i == 0 else "",
+                    str(per_stage) if i == 0 else "",
+                    dim,
+                    str(sizes.get(dim, S.pp if dim == "pp" else 1)),
+                    what,
+                    f"{n:,}",
+                    f"{elems:,}",
+                    f"{nbytes:,}",
+                    report.human_bytes(nbytes),
+                ]
             )
-        t.add_section()
-    console.print(t)
+        table.append(None)  # a rule between stage groups
+    show(console, "traffic per rank per iteration, by dimension", cols, table[:-1])
 
     for r in runner.show_ranks(args.show_ranks, job, world) if args.show_ranks else []:
-        t = Table(title=f"rank {r} ({job.label(r)}): ops in order", title_justify="left")
-        for col in ("#", "op", "group", "peer", "buffer", "elements", "bytes"):
-            t.add_column(col, justify="right" if col in ("#", "elements", "bytes") else "left")
-        for i, op in enumerate(job.plan(r).ops):
-            for row in runner.op_rows(op):
-                t.add_row(str(i), *row)
-        console.print(t)
+        runner.print_ops(console, job, r, job.plan(r).ops)
 
     # validate and predict: every rank, or (big worlds) one rank per stage and expert rank
     sim_plans, note = simulated_plans(job, S, grid, world, plans)
