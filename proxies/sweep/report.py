@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 
 from proxies.core import exits
-from proxies.core.report import HIDDEN, console, ordered
+from proxies.core.report import HIDDEN, abbrev, console, ordered
 from proxies.core.report import label as category_label
 from proxies.sweep import results
 
@@ -193,7 +193,8 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
     not run are listed under it with the reason. With predictions, a predicted column and
     the relative error beside the measured time; predicted-only rows marked (pred)."""
     from rich.markup import escape
-    from rich.table import Table
+
+    from proxies.core.tables import Column, show, unique_shorts
 
     out = out or console()
     for proxy in dict.fromkeys(r["proxy"] for r in table_rows):
@@ -204,33 +205,31 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
         with_pred = any(r["predicted_s"] is not None or r["predicted"] for r in shown)
         if shown:
             what = "mean over ranks; (pred) rows: predicted" if with_pred else "mean over ranks"
-            t = Table(
-                title=f"{title}: {proxy}, seconds per iteration (breakdown: {what})",
-                title_justify="left",
-            )
-            t.add_column("run", no_wrap=True)
-            cols = ["ranks", "status", "time/iter"]
-            cols += ["predicted", "error"] if with_pred else []
-            for col in (*cols, "speed-up", "efficiency"):
-                t.add_column(col, justify="left" if col == "status" else "right")
-            for c in cats:
-                t.add_column(category_label(c).split(" (")[0], justify="right")
+            cols = [Column("run", number=False, key=True), Column("ranks", key=True)]
+            cols += [Column("status", number=False), Column("time/iter")]
+            cols += [Column("predicted"), Column("error")] if with_pred else []
+            cols += [Column("speed-up"), Column("efficiency")]
+            shorts = unique_shorts([abbrev(c) for c in cats])
+            cols += [Column(category_label(c), short=s) for c, s in zip(cats, shorts, strict=True)]
+            table = []
             for r in shown:
                 ok = r["status"] == "ok"
                 status = ("predicted" if r["predicted"] else "ok") if ok else r["status"]
                 pred = [seconds(r["predicted_s"]), percent(r["error"])] if with_pred else []
                 bd = shown_breakdown(r)
-                t.add_row(
-                    escape(shown_name(r)),
-                    str(r["ranks"]),
-                    status if ok else f"[red]{escape(status)}[/]",
-                    seconds(r["iter_time_s"]),
-                    *pred,
-                    "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-                    "" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%",
-                    *(seconds(bd.get(c)) if bd else "" for c in cats),
+                table.append(
+                    [
+                        escape(shown_name(r)),
+                        str(r["ranks"]),
+                        status if ok else f"[red]{escape(status)}[/]",
+                        seconds(r["iter_time_s"]),
+                        *pred,
+                        "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                        "" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%",
+                        *(seconds(bd.get(c)) if bd else "" for c in cats),
+                    ]
                 )
-            out.print(t)
+            show(out, f"{title}: {proxy}, seconds per iteration (breakdown: {what})", cols, table)
             if any(r["predicted"] for r in shown):
                 out.print(
                     "(pred): predicted only, on the machine model, not run; its speed-up "
