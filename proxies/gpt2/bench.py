@@ -542,7 +542,7 @@ def print_report(header: list[str], records: list[dict], with_torch: bool) -> No
     for col in ("B x T", "peak RSS - baseline MiB", "params+grads+AdamW MiB", "saved acts MiB"):
         t.add_column(col, justify="right")
     t.add_column("bound MiB", justify="right")
-    t.add_column(f"ratio (issue: <= {MEMORY_LIMIT})", justify="right")
+    t.add_column(f"ratio (limit: <= {MEMORY_LIMIT})", justify="right")
     for r in records:
         t.add_row(
             f"{r['B']}x{r['T']}",
