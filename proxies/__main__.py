@@ -28,6 +28,11 @@ def available() -> dict[str, str]:
 
 def main() -> None:
     commands = available()
+    if sys.argv[1:2] == ["--version"]:
+        from proxies.core import provenance
+
+        print(provenance.version_text())
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         code = 0
         if len(sys.argv) >= 2 and sys.argv[1] not in ("-h", "--help"):
@@ -42,4 +47,5 @@ def main() -> None:
     runpy.run_module(f"proxies.{name}", run_name="__main__", alter_sys=True)
 
 
-main()
+if __name__ == "__main__":  # python -m proxies; the console script `proxies` calls main()
+    main()

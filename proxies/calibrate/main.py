@@ -49,6 +49,9 @@ def parser() -> cli.Parser:
         "on one machine the 'inter-node' figures then measure shared memory",
     )
     p.add_argument("--name", help="the machine's name (default: the output file's name)")
+    from proxies.core.provenance import add_version
+
+    add_version(p)  # --version
     return p
 
 

@@ -33,7 +33,7 @@ import statistics
 import numpy as np
 
 from proxies.collectives import ALGORITHMS, allreduce
-from proxies.core import cli, exits, wire
+from proxies.core import cli, exits, provenance, wire
 
 PROG = "proxies.collectives"
 DTYPES = ("float32", "float64", "int32", "int64", "bfloat16", "float16")
@@ -162,6 +162,7 @@ def parser() -> cli.Parser:
     g.add_argument(
         "--world-size", type=cli.positive_int, metavar="N", help="with --dry-run: ranks to predict"
     )
+    provenance.add_version(p)  # --version
     return p
 
 
@@ -336,6 +337,8 @@ def dry_run(args, algs: list[str], machine) -> int:
             row["predicted"] = True
             print(line(row, None)[:-8], flush=True)
             rows.append(row)
+    origin = provenance.fields()
+    rows = [{**row, **origin} for row in rows]  # each row says what made it
     if args.json and report.write_json(args.json, rows, prog=PROG) is None:
         return exits.FAILED
     return 0
@@ -418,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(line(g, mpi_busbw) + extra, flush=True)
         rows += group
 
+    # Collective: rank 0 gathers the node names. The MPI library as a proxy's result has it.
+    origin = provenance.fields(MPI, comm) | {"mpi": mpi.describe(MPI)}
+    rows = [{**row, **origin} for row in rows]  # each row says what made it
     if r == 0:
         avg = " · ".join(
             f"{a} {statistics.fmean(g['busbw'] for g in rows if g['algorithm'] == a):.2f}"

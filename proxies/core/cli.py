@@ -406,6 +406,9 @@ def add_common(
     memory.add_option(g)
     add_faults(p)  # --slow-rank, --jitter, --slow-link, --kill-rank
     add_machine(p)
+    from proxies.core.provenance import add_version
+
+    add_version(p)  # --version
 
 
 def env_world_size() -> int | None:
@@ -502,8 +505,10 @@ def machine(args: argparse.Namespace) -> Machine | None:
 
 def load_machine(path: str, overrides=(), ranks_per_node: int | None = None) -> Machine:
     """A machine file with its overrides; a bad file or override is a UsageError."""
+    from proxies.core import configs
     from proxies.core import machine as machines
 
+    path = configs.resolve(path, "machines")  # a shipped file by name, from any folder
     try:
         return machines.load(path, overrides, ranks_per_node)
     except machines.MachineError as e:

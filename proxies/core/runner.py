@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, memory, report, threads, waits
+from proxies.core import cli, exits, faults, memory, provenance, report, threads, waits
 from proxies.core.engine import (
     HIDDEN,
     CheckError,
@@ -136,6 +136,7 @@ def dry_run(job: Job, args, machine=None) -> int:
     }
     if estimates:
         out["memory_bytes"] = estimates  # per stage (label): {part: bytes}
+    out |= provenance.fields()  # schema_version, version, commit, hosts, launcher
     rep = rep_of if dims else range(world)
     by_rep = {r: p.bytes_by_category() for r, p in plans.items()}
     out["bytes"] = {
@@ -404,6 +405,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         "waited_for": waits.per_iteration(timed),
     }
     rows = world.gather(row, root=0)
+    origin = provenance.fields(MPI, world)  # collective: rank 0 gathers the node names
     # replayed compute times per rank, for the prediction beside the measurement
     replays = world.gather(replay, root=0) if machine is not None and replay else None
     total_loss = np.zeros_like(losses)
@@ -424,6 +426,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         "blas_threads": threads.decision[0] if threads.decision else None,
         "timestamp": report.timestamp(),
         **report.summarize(rows),
+        **origin,
     }
     if args.compute == "real" and total_loss[:, 1].all():
         # Mean over every sample of the global batch, warm-up iterations first.

@@ -56,7 +56,7 @@ from functools import partial
 
 import numpy as np
 
-from proxies.core import cli, exits, report
+from proxies.core import cli, exits, provenance, report
 from proxies.core import threads as blas_threads
 from proxies.gpt2.config import PRESETS, GPT2Config
 from proxies.gpt2.data import Synthetic, batch
@@ -133,6 +133,7 @@ def parser() -> cli.Parser:
     )
     # internal: the memory measurement, run in a fresh process per shape
     p.add_argument("--memory-child", metavar="BxT", help=argparse.SUPPRESS)
+    provenance.add_version(p)  # --version
     return p
 
 
@@ -674,6 +675,7 @@ def run(args) -> int:
             "tolerances": {"loss": LOSS_TOL, "loss_last": LOSS_TOL_LAST, "grad": GRAD_TOL},
             "results": records,
         }
+        result |= provenance.fields()
         if report.write_json(args.json, result, prog=PROG) is None:
             return exits.FAILED
     return 0 if all(checks_pass(r) for r in records) else 1

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, memory, report, runner
+from proxies.core import cli, exits, faults, memory, provenance, report, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -887,6 +887,7 @@ def dry_run(args, world: int, machine=None) -> int:
                 "comm_only_bytes_per_rank": max(pools),
                 "memory_bytes": estimates,
                 **predicted,
+                **provenance.fields(),
             },
             prog=PROG,
         )

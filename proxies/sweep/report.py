@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         "plots of a sweep's results.jsonl.",
     )
     p.add_argument("directory", help="a sweep's results directory, e.g. results/smoke")
+    from proxies.core.provenance import add_version
+
+    add_version(p)  # --version
     args = p.parse_args(argv)
     d = args.directory
     if os.path.isfile(d) and d.endswith(".jsonl"):

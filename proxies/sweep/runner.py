@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import replace
 
-from proxies.core import exits
+from proxies.core import configs, exits, provenance
 from proxies.sweep import launch, preflight, results
 from proxies.sweep.schema import Point, Sweep, SweepError, expand, load
 
@@ -71,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
         help="do not ask the proxy (--dry-run --world-size N) whether each point can run",
     )
     p.add_argument("--no-report", action="store_true", help="skip the table, CSV and plots")
+    provenance.add_version(p)
     return p
 
 
@@ -98,7 +99,7 @@ def clip(message: str, limit: int = 2000) -> str:
 def prepare(args) -> tuple[Sweep, list[Point]]:
     """Load, validate and expand the file; ask the proxy about each point (unless
     --no-precheck): a point it rejects is skipped under a proxy_rejects rule, else an error."""
-    sweep = load(args.file)
+    sweep = load(configs.resolve(args.file))  # configs/smoke.yaml from an installed wheel too
     if args.launcher:
         try:
             launch.template(args.launcher)
@@ -449,6 +450,8 @@ def run_point(sweep: Sweep, i: int, p: Point, outdir: str, jsonl: str, tick) -> 
         "returncode": outcome.returncode,
         "timeout_s": p.run.timeout,
         "log": os.path.join("logs", name),
+        **provenance.fields(),  # schema_version, version, commit; hosts: the sweep's own
+        "launcher": sweep.launcher,  # the file's (or --launcher's), not this process's
     }
     if outcome.status == "ok":
         try:
