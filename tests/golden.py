@@ -10,7 +10,8 @@ A case is a proxy command line and a world size: `mpiexec -n N python -m proxies
 README ```sh block (README sections as tests/test_readme.py reads them) is X, ARGS and N;
 `--dry-run --world-size N` is X, ARGS and N; a sweep point is its proxy, its own words and
 machine options, and its ranks (points a skip rule skips are left out). The job is built as
-the proxy's dry run builds it (`make_job(args, world)` from the proxy's parser), and each
+the proxy's dry run builds it (`make_job(args, world)` from the proxy's parser, after
+--machine's defaults; not faults.attach, as faults change no plan), and each
 rank's plan, `job.plan(rank)`, as the run executes it (wire dtypes applied), is dumped:
 
 - every op in order, every field of its dataclass (core/plan.py) that is not the field's
@@ -26,14 +27,15 @@ coordinates].
 
 Big worlds (more than FULL_OPS ops over all ranks, e.g. GPT-3 at 12,288 ranks) are folded as
 the dry run folds them (core/prediction.py): one representative per combination of the
-non-folded coordinates, plus the last rank as a witness that the folding holds; `folded`
-names the dimensions and maps every rank to its representative.
+non-folded coordinates, plus the last rank (all coordinates at their highest) in full, so a
+change only folded ranks would see is caught there; `folded` names the dimensions and maps
+every rank to its representative.
 
 The comparison (tests/test_golden.py) names the first differing rank, op and field in one
-line. Integers and strings must be equal; floats (FLOPs, seconds) to a relative 1e-12, so a
-sum reordered by a refactoring does not count as a change of traffic. IGNORE_REQUEST_NAMES
-per proxy compares request names (Collective.req, Wait.req) only up to a consistent renaming
-(which op a Wait completes still counts); off for every proxy now.
+line. Integers and strings must be equal, of the same type; floats (FLOPs, seconds) to a
+relative 1e-12, so a sum reordered by a refactoring does not count as a change of traffic.
+IGNORE_REQUEST_NAMES per proxy compares request names (Collective.req, Wait.req) only up to a
+consistent renaming (which op a Wait completes still counts); off for every proxy now.
 """
 
 from __future__ import annotations
@@ -354,6 +356,26 @@ def short(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def with_defaults(op: dict) -> dict:
+    """An encoded op with the fields it leaves out at their defaults, for messages that say
+    `dtype: "float32" in the golden, "bfloat16" now` rather than that a field is absent."""
+    from proxies.core import plan
+
+    def filled(cls, d: dict) -> dict:
+        out = {f.name: f.default for f in dataclasses.fields(cls)}
+        out = {k: v for k, v in out.items() if v is not dataclasses.MISSING}
+        return {**out, **d}
+
+    cls = getattr(plan, op["op"], None)
+    if not dataclasses.is_dataclass(cls):
+        return op
+    out = filled(cls, op)
+    for side in ("sends", "recvs"):
+        if side in out:
+            out[side] = [filled(plan.Msg, m) for m in out[side] or []]
+    return out
+
+
 def op_title(op: dict) -> str:
     what = op.get("kind") or op.get("name") or op.get("req", "")
     return f"{op['op']} {what}".strip()
@@ -382,7 +404,7 @@ def compare(golden: dict, fresh: dict, ignore_request_names: bool = False) -> st
             if ignore_request_names:
                 a, b = rename_requests(a), rename_requests(b)
             for i, (x, y) in enumerate(zip(a, b, strict=False)):
-                d = first_difference(x, y)
+                d = first_difference(x, y) and first_difference(with_defaults(x), with_defaults(y))
                 if d:
                     return f"rank {r}: op {i} ({op_title(x)}): {d}"
             if len(a) != len(b):

@@ -149,8 +149,7 @@ def test_other_changes_are_named():
     )
     dtype = changed(fresh, 3, lambda ops: ops[0]["recvs"][0].update(dtype="bfloat16"))
     assert golden.compare(dtype, fresh) == (
-        'rank 3: op 0 (P2P recv_forward): recvs[0].dtype: "bfloat16" in the golden, '
-        "absent (default) now"
+        'rank 3: op 0 (P2P recv_forward): recvs[0].dtype: "bfloat16" in the golden, "float32" now'
     )
     moved = copy.deepcopy(fresh)
     moved["ranks"][2][3]["pp"] = 1
