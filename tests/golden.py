@@ -105,16 +105,25 @@ class Case:
 
 
 def proxy_words(argv: list[str]) -> tuple[str, list[str]] | None:
-    """(proxy, words after it) of `python -m proxies.X ...` or `python -m proxies X ...`."""
-    for i in range(len(argv) - 1):
-        if argv[i] != "-m":
-            continue
-        mod = argv[i + 1]
-        if mod.startswith("proxies.") and mod.split(".", 1)[1] in PROXIES:
-            return mod.split(".", 1)[1], argv[i + 2 :]
-        if mod == "proxies" and i + 2 < len(argv) and argv[i + 2] in PROXIES:
+    """(proxy, words after it) of `python -m proxies.X ...`, `python -m proxies X ...`, or a
+    console script `proxies X ...` / `proxies-X ...`."""
+    for i, w in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if w == "-m" and nxt.startswith("proxies.") and nxt.split(".", 1)[1] in PROXIES:
+            return nxt.split(".", 1)[1], argv[i + 2 :]
+        if w == "-m" and nxt == "proxies" and i + 2 < len(argv) and argv[i + 2] in PROXIES:
             return argv[i + 2], argv[i + 3 :]
+        if i == 0 or argv[i - 1] != "-m":  # a command word, not a module
+            name = os.path.basename(w)
+            if name == "proxies" and nxt in PROXIES:
+                return nxt, argv[i + 2 :]
+            if name.startswith("proxies-") and name.removeprefix("proxies-") in PROXIES:
+                return name.removeprefix("proxies-"), argv[i + 1 :]
     return None
+
+
+# Words after which a command plans nothing (it prints and exits).
+NO_PLAN = {"-h", "--help", "--version"}
 
 
 def case_of(command: str, source: str) -> Case | None:
@@ -124,6 +133,8 @@ def case_of(command: str, source: str) -> Case | None:
     if found is None:
         return None
     proxy, words = found
+    if NO_PLAN & set(words):
+        return None
     world = 1
     if argv[0] in ("mpiexec", "mpirun") and argv[1] in ("-n", "-np"):
         world = int(argv[2])
