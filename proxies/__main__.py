@@ -12,6 +12,7 @@ COMMANDS = {
     "collectives": "allreduce algorithms benchmark (nccl-tests style table)",
     "sweep": "run a YAML scaling sweep",
     "report": "tables and plots of a sweep's results",
+    "compare": "is B faster than A: two results or sweeps, per category, noise stated",
     "calibrate": "measure this allocation and write a machine file (--machine)",
 }
 

@@ -123,7 +123,7 @@ def installed(proxy: str) -> bool:
 
 # Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of
 # sizes and bandwidths, not the iteration times a sweep records and reports.
-TOOLS = ("sweep", "report", "calibrate", "collectives")
+TOOLS = ("sweep", "report", "calibrate", "collectives", "compare")
 
 
 def proxies() -> list[str]:

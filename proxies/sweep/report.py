@@ -80,6 +80,9 @@ def rows(records: list[dict]) -> list[dict]:
             "status": status,
             "repeats": len(ok),
             "iter_time_s": None,
+            "iter_time_min_s": None,  # over every iteration of every repeat
+            "iter_time_median_s": None,
+            "iter_time_max_s": None,
             "speedup": None,
             "efficiency": None,
             "breakdown_s": {},
@@ -95,6 +98,9 @@ def rows(records: list[dict]) -> list[dict]:
         if ok and not predicted:
             row["iter_time_s"] = statistics.fmean(point_time(r["result"]) for r in ok)
             row["breakdown_s"] = mean_breakdown([point_breakdown(r["result"]) for r in ok])
+            its = [t for r in ok for t in r["result"]["iter_time_s"]]
+            row["iter_time_min_s"], row["iter_time_max_s"] = min(its), max(its)
+            row["iter_time_median_s"] = statistics.median(its)
         pred = [r["result"] for r in ok if predicted_time(r["result"]) is not None]
         if pred:
             row["predicted_s"] = statistics.fmean(predicted_time(r) for r in pred)
@@ -105,6 +111,54 @@ def rows(records: list[dict]) -> list[dict]:
             row["error"] = (row["predicted_s"] - row["iter_time_s"]) / row["iter_time_s"]
         out.append(row)
     scale(out)
+    return out
+
+
+# What a point's work is, from its result's config (every proxy writes these): the global
+# batch, and the model's size where it is a key.
+WORK_KEYS = ("global_batch", "params", "layers", "seq_len")
+
+
+def scaling_warnings(records: list[dict]) -> list[str]:
+    """One line per series whose declared `scaling:` does not match how its work grows
+    with the ranks: weak scaling declared but the work (global batch, model size) the same
+    at every rank count, or strong scaling (the default) but the work changing."""
+    work: dict[str, dict[int, tuple]] = {}
+    first: dict[str, dict] = {}
+    for rec in results.latest(records).values():
+        p, res = rec["point"], rec.get("result")
+        config = res.get("config") if rec["status"] == "ok" and isinstance(res, dict) else None
+        if not isinstance(config, dict):
+            continue
+        first.setdefault(p["series_id"], p)
+        key = tuple((k, json.dumps(config[k])) for k in WORK_KEYS if k in config)
+        work.setdefault(p["series_id"], {})[p["ranks"]] = key
+    out = []
+    for sid, by_ranks in work.items():
+        if len(by_ranks) < 2:
+            continue
+        p = first[sid]
+        ranks = sorted(by_ranks)
+        named = varying_args(records).get(p["label"], [])
+        who = p["label"] + "".join(f" {k}={p['series'].get(k)}" for k in named)
+        grows = len(set(by_ranks.values())) > 1
+        at = ", ".join(map(str, ranks))
+        if p.get("scaling", "strong") == "weak" and not grows:
+            what = ", ".join(f"{k} {v}" for k, v in by_ranks[ranks[0]]) or "its config"
+            out.append(
+                f"{who}: scaling: weak, but the work ({what}) is the same at {at} ranks "
+                "(strong scaling? efficiency is then t0/t, not speed-up x N0/N)"
+            )
+        elif p.get("scaling", "strong") == "strong" and grows:
+            keys = [k for k, _ in by_ranks[ranks[0]]]
+            changed = [k for k in keys if len({dict(v).get(k) for v in by_ranks.values()}) > 1]
+            what = "; ".join(
+                f"{k} " + " -> ".join(dict(by_ranks[n]).get(k, "?") for n in ranks) for k in changed
+            )
+            out.append(
+                f"{who}: scaling: strong, but the work changes with the ranks ({what} at "
+                f"{at} ranks): scaling: weak?"
+            )
     return out
 
 
@@ -249,18 +303,22 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
 def write_csv(table_rows: list[dict], path: str) -> None:
     cats = ordered({c for r in table_rows for c in r["breakdown_s"]})
     pcats = ordered({c for r in table_rows for c in r["predicted_breakdown_s"]})
+    arg_names = list(dict.fromkeys(k for r in table_rows for k in r["args"]))
     cols = ["label", "series", "proxy", "scaling", "ranks", "status", "repeats", "iter_time_s"]
+    cols += ["iter_time_min_s", "iter_time_median_s", "iter_time_max_s"]
     cols += ["speedup", "efficiency", "predicted", "predicted_s", "error"]
     cols += ["predicted_speedup", "predicted_efficiency"]
     cols += [f"breakdown_{c}_s" for c in cats] + [f"predicted_breakdown_{c}_s" for c in pcats]
-    cols += ["machine", "args", "reason"]
+    # One column per argument (a spreadsheet filters on it); lists and mappings as JSON.
+    cols += [f"arg_{k}" for k in arg_names] + ["machine", "reason"]
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(cols)
             for r in table_rows:
-                row = {**r, "args": json.dumps(r["args"], sort_keys=True)}
+                row = dict(r)
+                row.update({f"arg_{k}": csv_value(r["args"].get(k)) for k in arg_names})
                 row.update({f"breakdown_{c}_s": r["breakdown_s"].get(c) for c in cats})
                 row.update(
                     {f"predicted_breakdown_{c}_s": r["predicted_breakdown_s"].get(c) for c in pcats}
@@ -269,6 +327,37 @@ def write_csv(table_rows: list[dict], path: str) -> None:
         os.replace(tmp, path)
     finally:
         remove(tmp)  # only left when writing failed (a full disk): no half file stays
+
+
+def csv_value(v: object) -> object:
+    """An argument as a CSV cell: numbers and strings as they are, flags true/false, lists
+    and mappings as JSON, absent empty."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, sort_keys=True)
+    return v
+
+
+HATCHES = ("", "..", "xx", "oo", "--", "||", "++", "**")
+
+
+def styles(n: int) -> list[tuple[tuple, str]]:
+    """n distinct (colour, hatch) pairs: a qualitative colormap's colours (tab10 up to 10,
+    tab20 up to 20), then tab20's again with a hatch pattern per round of 20 (bars) so
+    no two categories look alike."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    size = cmap.N
+    return [(cmap(i % size), HATCHES[(i // size) % len(HATCHES)]) for i in range(n)]
+
+
+def doubling(ranks: list[int]) -> bool:
+    """Rank counts that (at least) double from one to the next: a log2 axis spaces them
+    evenly; otherwise a linear one shows them as they are."""
+    rs = sorted(set(ranks))
+    return len(rs) > 1 and all(b >= 2 * a for a, b in zip(rs, rs[1:], strict=False))
 
 
 def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
@@ -291,6 +380,8 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
     for r in done:
         series.setdefault(r["series_id"], []).append(r)
     paths = []
+    colour = [c for c, _ in styles(len(series))]
+    lines = ("-", "-.", ":")  # beyond 20 series, the colours repeat with another line style
     for name, keys, ylabel in (
         ("time.png", ("iter_time_s", "predicted_s"), "seconds per iteration"),
         ("efficiency.png", ("efficiency", "predicted_efficiency"), "parallel efficiency"),
@@ -304,10 +395,14 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
             measured_key, predicted_key = keys
             measured = [r for r in members if not r["predicted"] and r[measured_key]]
             predicted = [r for r in members if r[predicted_key]]
-            style = {"color": f"C{k % 10}", "marker": "o"}
+            style = {"color": colour[k], "marker": "o"}
             if measured:
                 xs, ys = [r["ranks"] for r in measured], [r[measured_key] for r in measured]
-                ax.plot(xs, ys, label=legend, **style)
+                ax.plot(xs, ys, label=legend, linestyle=lines[k // 20 % len(lines)], **style)
+                if name == "time.png":  # error bars: min to max over every iteration
+                    low = [y - r["iter_time_min_s"] for y, r in zip(ys, measured, strict=True)]
+                    high = [r["iter_time_max_s"] - y for y, r in zip(ys, measured, strict=True)]
+                    ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor=colour[k], capsize=3)
             if predicted:
                 xs, ys = [r["ranks"] for r in predicted], [r[predicted_key] for r in predicted]
                 ax.plot(
@@ -318,7 +413,8 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
                     label=f"{legend} predicted",
                     **style,
                 )
-        ax.set_xscale("log", base=2)
+        if doubling([r["ranks"] for r in done]):
+            ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["ranks"] for r in done}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
@@ -344,14 +440,19 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4.5))
     xs = range(len(bars))
     bottom = [0.0] * len(bars)
-    for j, c in enumerate(cats):
+    for (colour, hatch), c in zip(styles(len(cats)), cats, strict=True):
         h = [shown_breakdown(r).get(c, 0.0) for r in bars]
         drawn = ax.bar(
-            xs, h, bottom=bottom, color=f"C{j % 10}", label=category_label(c).split(" (")[0]
+            xs,
+            h,
+            bottom=bottom,
+            color=colour,
+            hatch=hatch or None,
+            label=category_label(c).split(" (")[0],
         )
         for patch, r in zip(drawn, bars, strict=True):
             if r["predicted"]:
-                patch.set_hatch("//")
+                patch.set_hatch(hatch + "//")
                 patch.set_alpha(0.6)
         bottom = [b + v for b, v in zip(bottom, h, strict=True)]
     ticks = [
@@ -362,6 +463,7 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
     ]
     ax.set_xticks(list(xs), ticks, fontsize="x-small", rotation=90)
     ax.set_ylabel("seconds per iteration (mean over ranks)")
+    ax.tick_params(axis="y", labelsize="small")
     ax.set_title(
         f"{title}: where the time went"
         + (" (hatched: predicted)" if any(r["predicted"] for r in bars) else "")
@@ -397,6 +499,8 @@ def report(directory: str, out=None, records: list[dict] | None = None) -> list[
     if records is None:
         records = results.load(os.path.join(directory, results.FILE))
     title = os.path.basename(os.path.normpath(directory))
+    for line in scaling_warnings(records):
+        print(f"proxies report: warning: {line}", file=sys.stderr)
     table_rows = rows(records)
     print_table(table_rows, title, out)
     write_csv(table_rows, os.path.join(directory, CSV_FILE))
@@ -419,12 +523,25 @@ def main(argv: list[str] | None = None) -> int:
     from proxies.core.provenance import add_version
 
     add_version(p)  # --version
+    p.add_argument(
+        "--sweep",
+        metavar="FILE",
+        help="the sweep file, to read the per-point JSON files that the commands of "
+        "--print-commands wrote into the directory (when it has no results.jsonl)",
+    )
     args = p.parse_args(argv)
     d = args.directory
     if os.path.isfile(d) and d.endswith(".jsonl"):
         d = os.path.dirname(d) or "."
     path = os.path.join(d, results.FILE)
-    if not os.path.isfile(path):
+    from_files = not os.path.isfile(path) and results.point_files(d)
+    if from_files and not args.sweep:
+        return fail(
+            f"{d}: per-point JSON files of --print-commands runs and no {results.FILE}: "
+            "name their sweep file with --sweep FILE",
+            exits.USAGE,
+        )
+    if not os.path.isfile(path) and not from_files:
         return fail(f"{path}: no such file (run a sweep first)", exits.USAGE)
     try:
         # The CSV and plots go beside it: writable, before any work.
@@ -437,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
             return fail(
                 f"{out}: exists and is not a regular file (it would be replaced)", exits.USAGE
             )
+    from proxies.sweep.schema import SweepError
+
     try:
-        records = results.load(path)
-    except results.ResultsError as e:
+        records = results.load_point_files(d, args.sweep) if from_files else results.load(path)
+    except (results.ResultsError, SweepError) as e:
         return fail(str(e), exits.USAGE)
     if not records:
         return fail(f"{path}: no usable records (run a sweep first)", exits.USAGE)

@@ -281,3 +281,58 @@ class Lock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+# -- the per-point JSON files of --print-commands runs ---------------------------------------
+
+POINT_FILE = re.compile(r"^\d{4,}-[A-Za-z0-9_]+-\d+r-[0-9a-f]{8}\.json$")  # runner.tag + .json
+
+
+def point_files(directory: str) -> list[str]:
+    """The names of the per-point result files in `directory` (those --print-commands'
+    commands write: `<index>-<proxy>-<ranks>r-<hash of the point>.json`)."""
+    try:
+        return sorted(f for f in os.listdir(directory) if POINT_FILE.match(f))
+    except OSError:
+        return []
+
+
+def load_point_files(directory: str, sweep_path: str, warn: bool = True) -> list[dict]:
+    """Records, as results.jsonl would hold them, for the points of the sweep file whose
+    JSON file is in `directory` (found by the name --print-commands gave it: the same
+    sweep file gives the same names). A file that is not a usable result is skipped with a
+    warning; points without a file are not run yet and counted. SweepError when the sweep
+    file cannot be loaded."""
+    from proxies.sweep import runner, schema  # they build on this module
+
+    sweep = schema.load(sweep_path)
+    records, missing = [], 0
+    for i, p in enumerate(schema.expand(sweep)):
+        point = {**p.record(), "index": i}
+        if p.skip:
+            records.append({"point": point, "status": "skipped", "reason": p.skip})
+            continue
+        path = os.path.join(directory, runner.tag(i, p) + ".json")
+        try:
+            with open(path, "rb") as f:
+                line = f.read(MAX_LINE + 1)
+        except FileNotFoundError:
+            missing += 1
+            continue
+        except OSError as e:
+            raise ResultsError(f"{path}: cannot read: {e.strerror}") from None
+        rec = {"point": point, "status": "ok"}
+        try:
+            rec["result"] = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):
+            rec["result"] = None
+        why = problem(rec)
+        if why is None:
+            records.append(rec)
+        elif warn:
+            print(f"{path}: skipping: {why}", file=sys.stderr)
+    if warn and missing:
+        print(
+            f"{directory}: {missing} points of {sweep_path} have no JSON file yet", file=sys.stderr
+        )
+    return records

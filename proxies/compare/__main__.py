@@ -1,0 +1,5 @@
+import sys
+
+from proxies.compare.command import main
+
+sys.exit(main())
