@@ -87,7 +87,11 @@ ACCEPTED: dict[tuple[str, str], dict[str, float]] = {
     ("proxies.gpt3", "--inflight-buckets"): ZERO,
     ("proxies.cosmoflow", "--momentum"): ZERO,
     ("proxies.dlrm", "--max-rows"): ZERO,
-    ("proxies.collectives", "--warmup"): ZERO,
+    # nccl-tests' spellings: --warmup_iters 0, --check 0 (off), --root 0, -I 0 (off), -K 0
+    **{
+        ("proxies.collectives", o): ZERO
+        for o in ("--warmup_iters", "--check", "--root", "--per_iter_timing", "--per_iter_skip")
+    },
     ("proxies.gpt2.bench", "--warmup"): ZERO,
     ("proxies.gpt2.bench", "--seed"): ZERO,
     ("benchmarks/predict.py", "--timeout"): {"2.5": 2.5},

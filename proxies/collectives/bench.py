@@ -1,27 +1,34 @@
-"""python -m proxies.collectives: the allreduce algorithms side by side, nccl-tests style.
+"""python -m proxies.collectives: collectives side by side, as nccl-tests prints them.
 
     mpiexec -n 4 python -m proxies.collectives -b 1M -e 64M -f 2 -a ring,mpi
+    mpiexec -n 4 python -m proxies.collectives allgather -b 8 -e 1M -f 8 -c 1 -d half
 
-For each size from -b to -e (times -f each step) and each algorithm, mpi4py's osu pattern:
-one buffer allocated for the largest size, -w warm-up calls, a barrier, -n timed calls
-between two MPI.Wtime()s, the mean per call, max over ranks. Algorithms alternate within a
-size, so load that drifts over the run touches them alike. Columns (nccl-tests):
+The collective comes first (allreduce by default; allgather, reduce_scatter, alltoall,
+broadcast, reduce, sendrecv; nccl-tests' binary names all_gather ... too), each with our
+algorithms and MPI's (`mpi`). For each size from -b to -e (times -f each step) and each
+algorithm, mpi4py's osu pattern: one buffer allocated for the largest size, -w warm-up
+calls, a barrier, -n timed calls between two MPI.Wtime()s, the mean per call, max over
+ranks. Algorithms alternate within a size, so load that drifts over the run touches them
+alike. Columns (nccl-tests' names and meanings, bench_ops.py for sizes per op):
 
-    size    bytes per rank (rounded down to whole elements), count elements of `type`
-    time    microseconds per allreduce, the slowest rank's mean
+    size    bytes per rank, nccl-tests' convention per op; count: the count column
+    redop   the reduction (-o), "none" for data movement; root: -r, -1 when rootless
+    time    microseconds per call, the slowest rank's mean
     algbw   size / time, GB/s (1e9 B/s)
-    busbw   algbw * 2(n-1)/n with n the group size: what each rank's link carried, so
-            algorithms and world sizes compare against the hardware's bandwidth
-    vs mpi  busbw / MPI Allreduce's busbw at the same size
-    #wrong  with -c: elements that differ from NumPy's sum, over all ranks (N/A without)
+    busbw   algbw x the op's factor (2(n-1)/n allreduce, (n-1)/n allgather, reduce_scatter,
+            alltoall, 1 broadcast, reduce, sendrecv): what each rank's link carried
+    vs mpi  busbw / MPI's busbw at the same size
+    #wrong  with -c: elements that differ from NumPy's result, over all ranks (N/A without)
+    i_*     with -I 1: per-iteration times (each the slowest rank's), min, max, p99 (nearest
+            rank) and coefficient of variation, as nccl-tests' -I prints them
 
 With --wait yield (auto's choice when ranks outnumber cores) every algorithm completes its
-requests by test-and-sleep, as the engine does, and `mpi` is Iallreduce + that wait; with
---wait spin the algorithms use MPI's blocking Waitall and `mpi` is the blocking Allreduce.
+requests by test-and-sleep, as the engine does, and `mpi` is the non-blocking call + that
+wait; with --wait spin the algorithms use MPI's blocking Waitall and `mpi` the blocking call.
 
 Timed buffers hold zeros (repeated in-place sums of anything else overflow; an add costs
-the same whatever the finite values). The check is a separate call on small integers,
-whose sums are exact in every order, so the expected values are exact too.
+the same whatever the finite values). The check is separate calls on small integers whose
+results are exact in every order, so the expected values are exact too.
 """
 
 from __future__ import annotations
@@ -29,14 +36,20 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import sys
 
 import numpy as np
 
-from proxies.collectives import ALGORITHMS, allreduce
+from proxies.collectives import bench_ops
+from proxies.collectives.bench_ops import ALIASES, OPS, REDOPS
 from proxies.core import cli, exits, provenance, wire
 
 PROG = "proxies.collectives"
 DTYPES = ("float32", "float64", "int32", "int64", "bfloat16", "float16")
+# nccl-tests' -d names for the same types
+DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "int": "int32"}
+# nccl-tests types we do not run: refused with one line saying so, not "invalid choice"
+UNSUPPORTED = ("int8", "char", "uint8", "uint32", "uint64", "f8e4m3", "f8e5m2", "all")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 MAX_SIZE = 1 << 40  # one buffer of the largest size is allocated: 1 TiB is past any node
 
@@ -53,14 +66,53 @@ def parse_size(text: str) -> int:
     return size
 
 
+def collective(text: str) -> str:
+    name = ALIASES.get(text.lower(), text.lower())
+    if name not in OPS:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective {text!r} (choose from {', '.join(OPS)})"
+        )
+    return name
+
+
+def redop(text: str) -> str:
+    word = text.lower()
+    if word in REDOPS:
+        return word
+    if word == "avg":
+        raise argparse.ArgumentTypeError("avg is NCCL's; MPI has no average (sum, prod, min, max)")
+    if word in OPS or word in ALIASES:  # `--op allgather`: the collective goes first
+        raise argparse.ArgumentTypeError(
+            f"-o/--op is the reduction as in nccl-tests ({', '.join(REDOPS)}); name the "
+            f"collective first: python -m {PROG} {collective(word)} ..."
+        )
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(REDOPS)}, got {text!r}")
+
+
+def check_count(text: str) -> int:
+    try:
+        return cli.integer(min=0, max=cli.MAX_ITERS, what="0, 1 or a number of checked calls")(text)
+    except argparse.ArgumentTypeError as e:
+        hint = f" (the collective goes first: {text} -c 1)" if text.lower() in OPS else ""
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
 factor = cli.integer(min=2, what="an integer >= 2")
+zero_one = cli.integer(min=0, max=1, what="0 or 1")
 
 
 def parser() -> cli.Parser:
     p = cli.Parser(
         prog=f"python -m {PROG}",
-        description="Allreduce algorithms over point-to-point vs MPI's own: time, algbw, "
-        "busbw per size, as nccl-tests' all_reduce_perf prints them.",
+        description="Collectives, ours over point-to-point vs MPI's own: time, algbw, "
+        "busbw per size, as nccl-tests' *_perf binaries print them.",
+    )
+    p.add_argument(
+        "collective",
+        nargs="?",
+        type=collective,
+        default="allreduce",
+        help=f"{', '.join(OPS)} (default allreduce; nccl-tests' names all_gather ... too)",
     )
     p.add_argument(
         "-b",
@@ -89,9 +141,10 @@ def parser() -> cli.Parser:
     p.add_argument(
         "-a",
         "--algorithms",
-        default=",".join(ALGORITHMS),
         metavar="LIST",
-        help=f"comma-separated, from {', '.join(ALGORITHMS)} (default all)",
+        help="comma-separated, from the collective's (allreduce: naive, tree, ring, rhd, rd, "
+        "dbtree, hier; allgather: ring, rd; reduce_scatter: ring, rh; alltoall: pairwise; "
+        "broadcast, reduce: binomial) and mpi (default all; with -o other than sum: mpi)",
     )
     p.add_argument(
         "-n",
@@ -103,6 +156,7 @@ def parser() -> cli.Parser:
     p.add_argument(
         "-w",
         "--warmup",
+        "--warmup_iters",
         type=cli.nonneg_int,
         default=5,
         help="untimed calls before them (default 5)",
@@ -110,12 +164,54 @@ def parser() -> cli.Parser:
     p.add_argument(
         "-c",
         "--check",
-        action="store_true",
-        help="after timing, one more call on known data, compared with NumPy; "
-        "the #wrong column counts the elements that differ",
+        nargs="?",
+        type=check_count,
+        const=1,
+        default=0,
+        metavar="N",
+        help="after timing, N more calls (--check alone: 1) on known data, compared with "
+        "NumPy; the #wrong column counts the elements that differ (default 0: off)",
     )
     p.add_argument(
-        "-d", "--dtype", choices=DTYPES, default="float32", help="element type (default float32)"
+        "-d",
+        "--dtype",
+        "--datatype",
+        choices=(*DTYPES, *DTYPE_ALIASES, *UNSUPPORTED),
+        default="float32",
+        metavar="TYPE",
+        help=f"element type: {', '.join(DTYPES)} or nccl-tests' float, double, half, int "
+        "(default float32)",
+    )
+    p.add_argument(
+        "-o",
+        "--op",
+        type=redop,
+        metavar="REDOP",
+        help="reductions (allreduce, reduce_scatter, reduce): sum (default), prod, min, "
+        "max; ours only sum, so another runs MPI's",
+    )
+    p.add_argument(
+        "-r",
+        "--root",
+        type=cli.nonneg_int,
+        help="broadcast, reduce: the root rank (default 0)",
+    )
+    p.add_argument(
+        "-I",
+        "--per_iter_timing",
+        type=zero_one,
+        default=0,
+        metavar="0|1",
+        help="1: time every call alone and add i_min, i_max, i_p99, i_cv%% (and the times to "
+        "the JSON)",
+    )
+    p.add_argument(
+        "-K",
+        "--per_iter_skip",
+        type=cli.nonneg_int,
+        default=0,
+        metavar="K",
+        help="with -I 1: leave the first K timed calls out of the i_* statistics",
     )
     p.add_argument(
         "--ranks-per-node",
@@ -132,7 +228,13 @@ def parser() -> cli.Parser:
         "(the engine's Waiter); auto: yield when a node has more ranks than "
         "cores (default)",
     )
-    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rank 0)")
+    p.add_argument(
+        "-J",
+        "--json",
+        "--output_file",
+        metavar="PATH",
+        help="write the rows as a JSON list (rank 0)",
+    )
     g = p.add_argument_group("prediction (is my number normal?)")
     g.add_argument(
         "--machine",
@@ -174,30 +276,46 @@ def sizes(lo: int, hi: int, f: int) -> list[int]:
     return out
 
 
-def check_inputs(count: int, rank: int, dtype) -> np.ndarray:
-    """Small integers: |v| <= 15, whose sums over up to 2^20 ranks are exact in float32;
-    for 16-bit floats |v| <= 1, exact up to 256 ranks in bfloat16 and 2048 in float16."""
-    span = 3 if wire.is_sixteen(dtype) else 31
-    ints = (np.arange(count, dtype=np.int64) * 7 + rank * 13) % span - span // 2
-    return ints.astype(dtype)
-
-
-def wrong(buf: np.ndarray, n: int) -> int:
-    want = np.zeros(buf.size, dtype=np.int64)
-    for i in range(n):
-        want += check_inputs(buf.size, i, buf.dtype).astype(np.int64)
-    return int(np.count_nonzero(buf != want.astype(buf.dtype)))
-
-
 def resolve(args) -> list[str]:
-    algs = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = [a for a in algs if a not in ALGORITHMS]
-    if unknown or not algs:
-        what = f"unknown algorithm {unknown[0]!r}" if unknown else "no algorithm given"
-        raise cli.UsageError(f"-a/--algorithms: {what} (choose from {', '.join(ALGORITHMS)})")
+    """Check the combinations (one line, exit 2) and fill the defaults; the algorithms."""
+    op = OPS[args.collective]
+    if args.dtype in UNSUPPORTED:
+        raise cli.UsageError(
+            f"-d/--datatype {args.dtype}: not supported here (choose from {', '.join(DTYPES)} "
+            f"or nccl-tests' {', '.join(DTYPE_ALIASES)})"
+        )
+    args.dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
+    if args.op is not None and not op.reduces:
+        raise cli.UsageError(
+            f"-o/--op goes with allreduce, reduce_scatter and reduce, not {op.name}"
+        )
+    if args.root is not None and not op.rooted:
+        raise cli.UsageError(f"-r/--root goes with broadcast and reduce, not {op.name}")
+    args.op = args.op or "sum"
+    args.root = args.root or 0
+    if args.per_iter_skip and not args.per_iter_timing:
+        raise cli.UsageError("-K/--per_iter_skip goes with -I 1")
+    if args.per_iter_skip >= args.iters:
+        raise cli.UsageError(
+            f"-K/--per_iter_skip {args.per_iter_skip} leaves none of the -n {args.iters} calls"
+        )
     if args.maxbytes < args.minbytes:
         raise cli.UsageError(
             f"-e/--maxbytes {args.maxbytes} is smaller than -b/--minbytes {args.minbytes}"
+        )
+    if args.algorithms is None:  # all that can run it: ours only sum
+        return list(op.algorithms if args.op == "sum" else ("mpi",))
+    algs = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algs if a not in op.algorithms]
+    if unknown or not algs:
+        what = f"unknown algorithm {unknown[0]!r}" if unknown else "no algorithm given"
+        raise cli.UsageError(
+            f"-a/--algorithms: {what} for {op.name} (choose from {', '.join(op.algorithms)})"
+        )
+    ours = [a for a in algs if a != "mpi"]
+    if args.op != "sum" and ours:
+        raise cli.UsageError(
+            f"-o/--op {args.op}: our algorithms only sum ({ours[0]}); use -a mpi for {args.op}"
         )
     return list(dict.fromkeys(algs))
 
@@ -214,68 +332,104 @@ def resolve_wait(MPI, comm, mode: str) -> str:
     return "yield" if crowded else "spin"
 
 
-def time_one(comm, MPI, waiter, alg, buf, args, wait) -> float:
-    """Seconds per call: warm-up, barrier, timed loop; the slowest rank's mean."""
-
-    def call():
-        allreduce(comm, buf, alg, wait=wait, ranks_per_node=args.ranks_per_node)
-
+def time_one(comm, MPI, waiter, call, buf, recv, args) -> tuple[float, list[float] | None]:
+    """Seconds per call (warm-up, barrier, timed loop; the slowest rank's mean) and with
+    -I 1 each call's seconds, the slowest rank's per call (nccl-tests' max over ranks)."""
     for _ in range(args.warmup):
-        call()
+        call(buf, recv)
     waiter.barrier(comm)
+    each = np.empty(args.iters) if args.per_iter_timing else None
     t0 = MPI.Wtime()
-    for _ in range(args.iters):
-        call()
+    if each is None:
+        for _ in range(args.iters):
+            call(buf, recv)
+    else:
+        for i in range(args.iters):
+            t = MPI.Wtime()
+            call(buf, recv)
+            each[i] = MPI.Wtime() - t
     mine = np.array([(MPI.Wtime() - t0) / args.iters])
     slowest = np.empty(1)
     comm.Allreduce(mine, slowest, op=MPI.MAX)
-    return float(slowest[0])
+    if each is None:
+        return float(slowest[0]), None
+    comm.Allreduce(MPI.IN_PLACE, each, op=MPI.MAX)
+    return float(slowest[0]), each.tolist()
 
 
-def header(comm, MPI, args, wait: str) -> list[str]:
-    from proxies.core.mpi import describe
-
-    n, m = comm.size, describe(MPI)
-    nodes = f"--ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else "MPI's split"
-    return [
-        f"# {PROG}: allreduce (sum, in place) on {n} ranks · busbw = algbw x 2(n-1)/n = "
-        f"algbw x {2 * (n - 1) / n:.3f}",
-        f"# {m['library']} · mpi4py {m['mpi4py']} · thread level {m['thread_level']} · "
-        f"waits {wait} · hier nodes: {nodes}",
-        f"# {args.warmup} warm-up + {args.iters} timed calls per row, time = mean per call, "
-        f"max over ranks" + (" · --check on" if args.check else ""),
-        "#",
-        f"# {'size':>10} {'count':>11} {'type':>8} {'algorithm':>9} {'time':>10} "
-        f"{'algbw':>7} {'busbw':>7} {'vs mpi':>6} {'#wrong':>7}",
-        f"# {'(B)':>10} {'(elements)':>11} {'':>8} {'':>9} {'(us)':>10} "
-        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>7}",
-    ]
-
-
-def make_row(alg: str, count: int, dtype: np.dtype, n: int, seconds: float, bad: int | None):
-    """One JSON row; busbw uses the group size n (nccl-tests' allreduce factor)."""
-    size = count * dtype.itemsize
+def make_row(args, alg: str, elements: int, count: int, dtype, n: int, seconds: float, bad):
+    """One row (the JSON's and the table's); busbw = algbw x the op's nccl-tests factor."""
+    size = elements * dtype.itemsize
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    op = OPS[args.collective]
     return {
+        "collective": op.name,
         "algorithm": alg,
         "bytes": size,
         "count": count,
         "dtype": dtype.name,
+        "redop": args.op if op.reduces else "none",
+        "root": args.root if op.rooted else -1,
         "ranks": n,
         "time_us": seconds * 1e6,
         "algbw": algbw,
-        "busbw": algbw * 2 * (n - 1) / n,
+        "busbw": algbw * op.factor(n),
         "wrong": bad,
     }
 
 
-def line(row: dict, mpi_busbw: float | None) -> str:
-    vs = f"{row['busbw'] / mpi_busbw:6.2f}" if mpi_busbw else f"{'':>6}"
-    bad = f"{row['wrong']:>7}" if row["wrong"] is not None else f"{'N/A':>7}"
-    return (
-        f"  {row['bytes']:>10} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>9} "
-        f"{row['time_us']:>10.1f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {vs} {bad}"
-    )
+def table(rows: list[dict], *, head: bool = False, mpi_busbw=None, measured=True) -> str:
+    """The table's header (head=True: two lines) or its rows; every printed table line
+    goes through here. Columns after busbw: measured runs add vs mpi, #wrong, the i_*
+    with -I, pred and meas/pred with --machine; dry runs their (predicted) busbw only."""
+    if head:
+        per_iter = any("per_iter" in r for r in rows)
+        pred = any("predicted_busbw" in r for r in rows)
+        a = f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} {'algorithm':>9}"
+        a += f" {'time':>10} {'algbw':>7} {'busbw':>7}"
+        b = f"# {'(B)':>10} {'(elements)':>11} {'':>8} {'':>5} {'':>4} {'':>9}"
+        b += f" {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7}"
+        if measured:
+            a += f" {'vs mpi':>6} {'#wrong':>7}"
+            b += f" {'':>6} {'':>7}"
+        if per_iter:
+            a += f" {'i_min':>8} {'i_max':>8} {'i_p99':>8} {'i_cv%':>6}"
+            b += f" {'(us)':>8} {'(us)':>8} {'(us)':>8} {'':>6}"
+        if pred:
+            a += f" {'pred':>7} {'meas/':>6}"
+            b += f" {'(GB/s)':>7} {'pred':>6}"
+        return f"{a}\n{b}" + ("   (predicted)" if not measured else "")
+    out = []
+    for row in rows:
+        s = (
+            f"  {row['bytes']:>10} {row['count']:>11} {row['dtype']:>8} {row['redop']:>5} "
+            f"{row['root']:>4} {row['algorithm']:>9} {row['time_us']:>10.1f} "
+            f"{row['algbw']:>7.2f} {row['busbw']:>7.2f}"
+        )
+        if measured:
+            vs = f"{row['busbw'] / mpi_busbw:6.2f}" if mpi_busbw else f"{'':>6}"
+            bad = f"{row['wrong']:>7}" if row["wrong"] is not None else f"{'N/A':>7}"
+            s += f" {vs} {bad}"
+        if "per_iter" in row:
+            it = row["per_iter"]
+            s += (
+                f" {it['min_us']:>8.1f} {it['max_us']:>8.1f} {it['p99_us']:>8.1f} "
+                f"{it['cv_pct']:>6.1f}"
+            )
+        if measured and "predicted_busbw" in row:
+            pb = row["predicted_busbw"]
+            s += f" {pb:>7.2f} {row['busbw'] / pb if pb else 0.0:>6.2f}"
+        out.append(s)
+    return "\n".join(out)
+
+
+def write_rows(path: str | None, rows: list[dict]) -> int:
+    """-J/--json: the rows as a JSON list; exit status (FAILED when nothing was written)."""
+    from proxies.core import report
+
+    if path and report.write_json(path, rows, prog=PROG) is None:
+        return exits.FAILED
+    return exits.OK
 
 
 def load_machine(args):
@@ -291,25 +445,32 @@ def load_machine(args):
 
 
 def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
-    from proxies.core.prediction import collective_seconds
-
-    return collective_seconds(
+    return bench_ops.predicted_seconds(
         machine,
-        "allreduce",
+        args.collective,
         alg,
         n,
         count,
         dtype.name,
+        args.root,
         args.ranks_per_node,
-        detail=args.predict,
+        args.predict,
     )
+
+
+def describe_op(args, n: int) -> str:
+    return bench_ops.describe(args.collective, args.op, args.root, n)
+
+
+def check_root(args, n: int) -> None:
+    if args.root >= n:
+        raise cli.UsageError(f"-r/--root {args.root}: the ranks are 0..{n - 1}")
 
 
 def dry_run(args, algs: list[str], machine) -> int:
     """Rows predicted for --world-size ranks, without MPI."""
-    from proxies.core import report
-
     n = args.world_size or cli.env_world_size() or 1
+    check_root(args, n)
     dtype = wire.numpy_dtype(args.dtype)
     rpn = args.ranks_per_node or machine.ranks_per_node
     if n > rpn and machine.inter is None:
@@ -318,30 +479,20 @@ def dry_run(args, algs: list[str], machine) -> int:
             f"machine has no inter_node level; give --ranks-per-node {n}"
         )
     per = f"{rpn} rank{'s' * (rpn > 1)} per node"
-    print(
-        f"# {PROG}: allreduce on {n} ranks predicted on {machine.name} ({per}) "
-        f"· busbw = algbw x 2(n-1)/n = algbw x {2 * (n - 1) / n:.3f}\n"
-        f"# {'size':>10} {'count':>11} {'type':>8} {'algorithm':>9} {'time':>10} "
-        f"{'algbw':>7} {'busbw':>7}\n"
-        f"# {'(B)':>10} {'(elements)':>11} {'':>8} {'':>9} {'(us)':>10} {'(GB/s)':>7} "
-        f"{'(GB/s)':>7}   (predicted)",
-        flush=True,
-    )
+    print(f"# {PROG}: {describe_op(args, n)} · predicted on {machine.name} ({per})")
+    print(table([], head=True, measured=False), flush=True)
     rows = []
     for size in sizes(args.minbytes, args.maxbytes, args.stepfactor):
-        count = size // dtype.itemsize
+        elements, count = bench_ops.counts(OPS[args.collective], size, dtype.itemsize, n)
         for alg in algs:
-            row = make_row(
-                alg, count, dtype, n, predicted(machine, args, alg, count, dtype, n), None
-            )
+            t = predicted(machine, args, alg, elements, dtype, n)
+            row = make_row(args, alg, elements, count, dtype, n, t, None)
             row["predicted"] = True
-            print(line(row, None)[:-8], flush=True)
+            print(table([row], measured=False), flush=True)
             rows.append(row)
     origin = provenance.fields()
     rows = [{**row, **origin} for row in rows]  # each row says what made it
-    if args.json and report.write_json(args.json, rows, prog=PROG) is None:
-        return exits.FAILED
-    return 0
+    return write_rows(args.json, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,23 +504,31 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args, algs, machine)
     if args.world_size:
         raise cli.UsageError("--world-size only goes with --dry-run (a run has mpiexec's size)")
-    from proxies.core import mpi, report
+    from proxies.core import mpi
     from proxies.core.waiting import Waiter
 
     MPI = mpi.init()
     comm = MPI.COMM_WORLD
     mpi.abort_on_exception(comm, PROG)
     n, r = comm.size, comm.rank
+    check_root(args, n)  # every rank decides alike: rank 0 says it, all exit 2
+    op = OPS[args.collective]
     wait = resolve_wait(MPI, comm, args.wait)
     waiter = Waiter(MPI, wait)
     waitfn = waiter.waitall if wait == "yield" else None
     dtype = wire.numpy_dtype(args.dtype)
     steps = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    calls = {
+        a: bench_ops.caller(MPI, op.name, a, comm, args.root, args.op, waitfn, args.ranks_per_node)
+        for a in algs
+    }
 
-    # -- one buffer for every size (osu: allocate once), touched so no timing page-faults
+    # -- one buffer for every size (osu: allocate once), touched so no timing page-faults;
+    # sendrecv receives into a second one
     try:
-        whole, error = np.zeros(steps[-1] // dtype.itemsize, dtype=dtype), None
-        whole[...] = 0
+        top = bench_ops.counts(op, steps[-1], dtype.itemsize, n)[0]
+        whole, error = np.zeros(top, dtype=dtype), None
+        other = np.zeros(top, dtype=dtype) if op.name == "sendrecv" else None
     except MemoryError:
         whole, error = None, f"-e/--maxbytes {args.maxbytes}: cannot allocate that buffer"
     if error is None and r == 0:  # rank 0 writes the rows: refuse now, not after timing
@@ -377,48 +536,60 @@ def main(argv: list[str] | None = None) -> int:
     mpi.agree(comm, error, PROG)
 
     if r == 0:
-        head = header(comm, MPI, args, wait)
+        from proxies.core.mpi import describe
+
+        m = describe(MPI)
+        nodes = f"--ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else "MPI's split"
+        head = [
+            f"# {PROG}: {describe_op(args, n)}",
+            f"# {m['library']} · mpi4py {m['mpi4py']} · thread level {m['thread_level']} · "
+            f"waits {wait} · hier nodes: {nodes}",
+            f"# {args.warmup} warm-up + {args.iters} timed calls per row, time = mean per "
+            f"call, max over ranks"
+            + (f" · --check {args.check}" if args.check else "")
+            + (" · -I 1: i_* per call, max over ranks" if args.per_iter_timing else ""),
+        ]
         if machine is not None:
             rpn = args.ranks_per_node or machine.ranks_per_node
-            head.insert(
-                3,
+            head.append(
                 f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
-                f"model's busbw, meas/pred = measured over predicted",
+                f"model's busbw, meas/pred = measured over predicted"
             )
-            head[-2] += f" {'pred':>7} {'meas/':>6}"
-            head[-1] += f" {'(GB/s)':>7} {'pred':>6}"
-        print("\n".join(head), flush=True)
+        shape = {"per_iter": 1} if args.per_iter_timing else {}
+        shape.update({"predicted_busbw": 1} if machine is not None else {})
+        print("\n".join([*head, "#", table([shape], head=True)]), flush=True)
     rows: list[dict] = []
     for size in steps:
-        count = size // dtype.itemsize
-        buf = whole[:count]
+        elements, count = bench_ops.counts(op, size, dtype.itemsize, n)
+        buf = whole[:elements]
+        recv = other[:elements] if other is not None else None
         group = []
         for alg in algs:
             # -- timed calls on zeros
             buf[...] = 0
-            seconds = time_one(comm, MPI, waiter, alg, buf, args, waitfn)
-            # -- one checked call on small integers
+            seconds, each = time_one(comm, MPI, waiter, calls[alg], buf, recv, args)
+            # -- checked calls on small integers
             bad = None
             if args.check:
-                buf[...] = check_inputs(count, r, dtype)
-                allreduce(comm, buf, alg, wait=waitfn, ranks_per_node=args.ranks_per_node)
-                mine, total = np.array([wrong(buf, n)], dtype=np.int64), np.zeros(1, np.int64)
-                comm.Allreduce(mine, total, op=MPI.SUM)
-                bad = int(total[0])
-            group.append(make_row(alg, count, dtype, n, seconds, bad))
+                mine = 0
+                for _ in range(args.check):
+                    buf[...] = bench_ops.check_inputs(op.name, args.op, elements, r, dtype)
+                    if recv is not None:
+                        recv[...] = buf
+                    calls[alg](buf, recv)
+                    mine += bench_ops.check_wrong(op.name, args.op, args.root, buf, recv, n, r)
+                bad = comm.allreduce(mine, op=MPI.SUM)
+            row = make_row(args, alg, elements, count, dtype, n, seconds, bad)
+            if each is not None:
+                row["per_iter"] = bench_ops.iter_stats(each, args.per_iter_skip)
             if machine is not None and r == 0:
-                row, t = group[-1], predicted(machine, args, alg, count, dtype, n)
+                t = predicted(machine, args, alg, elements, dtype, n)
                 row["predicted_time_us"] = t * 1e6
-                row["predicted_busbw"] = size / t / 1e9 * 2 * (n - 1) / n if t > 0 else 0.0
+                row["predicted_busbw"] = row["bytes"] / t / 1e9 * op.factor(n) if t > 0 else 0.0
+            group.append(row)
         if r == 0:
             mpi_busbw = next((g["busbw"] for g in group if g["algorithm"] == "mpi"), None)
-            for g in group:
-                extra = ""
-                if machine is not None:
-                    extra = (
-                        f" {g['predicted_busbw']:>7.2f} {g['busbw'] / g['predicted_busbw']:>6.2f}"
-                    )
-                print(line(g, mpi_busbw) + extra, flush=True)
+            print(table(group, mpi_busbw=mpi_busbw), flush=True)
         rows += group
 
     # Collective: rank 0 gathers the node names. The MPI library as a proxy's result has it.
@@ -431,10 +602,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"# average busbw (GB/s): {avg}")
         if args.check:
-            print(f"# #wrong in all: {sum(g['wrong'] for g in rows)}")
-        if args.json and report.write_json(args.json, rows, prog=PROG) is None:
-            return exits.FAILED
-    return 0
+            print(f"# #wrong in all: {sum(g['wrong'] for g in rows)}", flush=True)
+        written = write_rows(args.json, rows)
+        if written != exits.OK:
+            return written
+    # every rank knows the totals (summed over ranks): wrong results are exit status 4
+    if args.check and any(g["wrong"] for g in rows):
+        if r == 0:
+            print(f"{PROG}: --check found wrong results (#wrong above)", file=sys.stderr)
+        return exits.CHECK
+    return exits.OK
 
 
 def entry() -> None:
