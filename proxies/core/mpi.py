@@ -74,6 +74,9 @@ def agree(comm, error: str | None, prog: str) -> None:
         sys.exit(2)
 
 
+FORWARD_S = 0.5  # before an abort: the launcher's time to forward the last lines
+
+
 def end(code: int, comm=None) -> NoReturn:
     """End the whole job with exit status `code`; never returns.
 
@@ -88,6 +91,10 @@ def end(code: int, comm=None) -> NoReturn:
         except Exception:  # a closed or broken stream must not stop the exit
             pass
     if comm is not None:
+        # The launcher forwards what ranks wrote through pipes and stops reading when the
+        # abort kills the job: give it time to pass the diagnosis on (on a loaded machine
+        # the line was lost now and then, the status kept).
+        time.sleep(FORWARD_S)
         try:
             comm.Abort(code)
         except Exception:

@@ -194,6 +194,7 @@ def _kill(pid: int, sig: int) -> None:
 def _end(code: int, reason: str, child: int | None):
     """The launcher's abort sets the job's status and ends every rank; if there is no such
     launcher, or it lets this process go on, the rank is killed and this one exits."""
+    time.sleep(0.5)  # the launcher forwards our line before its abort stops reading (mpi.end)
     if pmi_abort(code, reason):
         time.sleep(5.0)  # hydra kills this process now; don't race it with our own exit
     if child is not None:
