@@ -49,8 +49,9 @@ def describe(MPI) -> dict:
     import mpi4py
 
     cvars = {k: v for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "OMPI_MCA_"))}
+    # Open MPI's version string ends in a NUL, which would reach the header and the JSON.
     return {
-        "library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
+        "library": " ".join(MPI.Get_library_version().replace("\0", "").split("\n")[0].split()),
         "standard": ".".join(map(str, MPI.Get_version())),
         "mpi4py": mpi4py.__version__,
         "thread_level": THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
