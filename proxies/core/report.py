@@ -170,12 +170,31 @@ def stats(values: list[float]) -> dict:
     }
 
 
+def to_terminal() -> bool:
+    """Whether this process's stdout reaches a terminal. Open MPI gives every rank a
+    pseudo-terminal that its launcher reads and forwards, to a terminal or to a file alike
+    (isatty() is true even under `> out.txt`), so under it (OMPI_COMM_WORLD_RANK set) the
+    answer is no unless FORCE_COLOR says otherwise. MPICH and Slurm pass a pipe: isatty()."""
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
+        return False
+    return sys.stdout.isatty()
+
+
 def console():
-    """A rich console that does not squeeze tables to 80 columns when output is piped."""
+    """A rich console deciding colour and width from what stdout really is: a terminal gets
+    colour and its width; anything else no colour codes and COLUMNS or 160 columns, so
+    tables are not squeezed to 80."""
     from rich.console import Console
 
-    width = None if sys.stdout.isatty() else 160
-    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=True)
+    if to_terminal():
+        return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() and int(columns) > 0 else 160
+    return Console(
+        file=sys.stdout, width=width, force_terminal=False, highlight=False, soft_wrap=True
+    )
 
 
 def print_report(
