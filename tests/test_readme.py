@@ -73,11 +73,14 @@ def workdir(tmp_path_factory):
 
 @pytest.mark.parametrize("command", EXAMPLES, ids=[c[:70] for c in EXAMPLES])
 def test_example(command, workdir):
-    argv = shlex.split(command)
-    argv = [mpiexec() if a == "mpiexec" else sys.executable if a == "python" else a for a in argv]
     # Not in the checkout: a sweep's results/ left there made the reader's next sweep run
-    # 0 of its points.
-    argv = [str(workdir / a[len("/tmp/") :]) if a.startswith("/tmp/") else a for a in argv]
+    # 0 of its points. Only the README's own /tmp/ paths move (the checkout, and with it the
+    # venv's executables, may itself be under /tmp).
+    argv = [
+        str(workdir / a[len("/tmp/") :]) if a.startswith("/tmp/") else a
+        for a in shlex.split(command)
+    ]
+    argv = [mpiexec() if a == "mpiexec" else sys.executable if a == "python" else a for a in argv]
     r = run(argv, timeout=600, cwd=str(workdir), env={"PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr
     assert marker(argv) in r.stdout

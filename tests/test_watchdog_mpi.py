@@ -6,6 +6,7 @@ timeout, never by measuring.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,7 +107,9 @@ def test_a_start_up_stall_names_the_rank_that_never_joined():
     assert r.returncode == exits.STALLED, r.stderr
     assert "watchdog: rank 3 has not joined the job after 2 s: it has not started MPI" in r.stderr
     # The others say what they wait in.
-    assert "rank 0 waited 2 s in MPI initialisation: some rank has not joined" in r.stderr
+    # (how long each says it waited grows with the machine's load: 2 s or a little more)
+    waited = r"rank [0-2] waited \d+ s in MPI initialisation: some rank has not joined"
+    assert re.search(waited, r.stderr), r.stderr
 
 
 def test_a_compute_op_longer_than_the_timeout_is_not_a_stall():
