@@ -132,11 +132,7 @@ def node_memory() -> tuple[int, str]:
 def ranks_per_node(world: int) -> tuple[int, str]:
     """(ranks sharing this node, where that came from): the launcher's local size, else
     every rank of the world (a launch without such a variable is taken as one node)."""
-    for var in threads.LOCAL_SIZE_VARS:
-        value = os.environ.get(var, "").split("(")[0]  # SLURM may say "4(x2)"
-        if value.isdigit() and int(value) > 0:
-            return int(value), var
-    return world, "all ranks on this node"
+    return threads.launcher_local_size() or (world, "all ranks on this node")
 
 
 # -- estimates ---------------------------------------------------------------------------

@@ -39,12 +39,18 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
-def local_ranks() -> int:
+def launcher_local_size() -> tuple[int, str] | None:
+    """(ranks on this node, the variable that said so) from the launcher; None without."""
     for var in LOCAL_SIZE_VARS:
         value = os.environ.get(var, "").split("(")[0]  # SLURM may say "4(x2)"
         if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
+            return int(value), var
+    return None
+
+
+def local_ranks() -> int:
+    found = launcher_local_size()
+    return found[0] if found else 1
 
 
 # Set beside the variables when this module chose them: a process started from one that
