@@ -82,6 +82,15 @@ def agree(comm, error: str | None, prog: str) -> None:
 LEAVE_WAIT_S = 10.0  # how long a quiet rank waits for the launcher to end it
 
 
+def _flush() -> None:
+    """Flush what this process wrote, before it leaves without Python's own clean-up."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the exit
+            pass
+
+
 def leave(code: int, said: bool) -> NoReturn:
     """Exit with `code`, every rank of the job alike (a usage error, a diverged run).
 
@@ -93,11 +102,7 @@ def leave(code: int, said: bool) -> NoReturn:
     way; Open MPI's launcher then adds its banner, which no setting silences (README)."""
     if os.environ.get("OMPI_COMM_WORLD_RANK") is None:
         sys.exit(code)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not stop the exit
-            pass
+    _flush()
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
@@ -106,7 +111,7 @@ def leave(code: int, said: bool) -> NoReturn:
     sys.exit(code)
 
 
-FORWARD_S = 0.5  # before an abort: the launcher's time to forward the last lines
+FORWARD_S = supervisor.FORWARD_S  # before an abort: the launcher forwards the last lines
 
 
 def end(code: int, comm=None) -> NoReturn:
@@ -117,11 +122,7 @@ def end(code: int, comm=None) -> NoReturn:
     job's status (measured: MPI_Abort(comm, 4) -> mpiexec exits 4), so the user sees `code`
     either way. Without `comm` (before MPI, or in a single process) it just exits.
     """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not stop the exit
-            pass
+    _flush()
     if comm is not None:
         # The launcher forwards what ranks wrote through pipes and stops reading when the
         # abort kills the job: give it time to pass the diagnosis on (on a loaded machine

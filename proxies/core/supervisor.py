@@ -16,10 +16,10 @@ status. It also times the rank's start-up (MPI initialisation, the first collect
 the in-rank watchdog (mpi.Watchdog) takes over, ending a start-up stall with
 exits.STALLED.
 
-Without a launcher that exports a rank, without fork (not POSIX), or with
-PROXIES_SUPERVISE=0, there is no supervisor: the in-rank watchdog still names what each
-rank waits for and from whom, which names a dead or stalled peer, but a SIGKILLed rank's job
-then ends as the launcher decides.
+Without a launcher whose rank variables hold together (cli.env_world_size), without fork
+(not POSIX), or with PROXIES_SUPERVISE=0, there is no supervisor: the in-rank watchdog still
+names what each rank waits for and from whom, which names a dead or stalled peer, but a
+SIGKILLed rank's job then ends as the launcher decides.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ import sys
 import time
 
 from proxies.core import cli, exits
+
+# Before an abort: the launcher forwards what the processes wrote through pipes and stops
+# reading when the abort ends the job; on a loaded machine a diagnosis was lost now and then.
+FORWARD_S = 0.5
 
 # Beacon states: what the rank is doing now.
 WAITING = 1  # waiting on peers: the timer runs
@@ -101,7 +105,7 @@ def supervise(prog: str, timeout: float) -> None:
     if (
         os.environ.get("PROXIES_SUPERVISE", "1") == "0"
         or not hasattr(os, "fork")
-        or not any(os.environ.get(v, "").isdigit() for v in cli.RANK_VARS)
+        or cli.env_world_size() is None  # no launcher whose rank variables hold together
     ):
         return
     page = Beacon()
@@ -194,7 +198,7 @@ def _kill(pid: int, sig: int) -> None:
 def _end(code: int, reason: str, child: int | None):
     """The launcher's abort sets the job's status and ends every rank; if there is no such
     launcher, or it lets this process go on, the rank is killed and this one exits."""
-    time.sleep(0.5)  # the launcher forwards our line before its abort stops reading (mpi.end)
+    time.sleep(FORWARD_S)  # the launcher forwards our line before its abort stops reading
     if pmi_abort(code, reason):
         time.sleep(5.0)  # hydra kills this process now; don't race it with our own exit
     if child is not None:
