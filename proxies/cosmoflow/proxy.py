@@ -389,8 +389,6 @@ def make_job(args, world: int) -> runner.Job:
             f"--global-batch {G} is not divisible by the {dp} data-parallel replicas "
             f"(world size {world} / {S} shards)"
         )
-    if not 0 <= args.momentum < 1:
-        raise cli.UsageError(f"--momentum {args.momentum}: must be in [0, 1)")
     B = G // dp
     L, nd = cfg.layers, len(cfg.dense)
     grid = ProcessGrid.create(args.order, sp=S, dp=dp)

@@ -407,8 +407,6 @@ def make_job(args, world: int) -> runner.Job:
         )
     if m > MAX_TAG_MICROBATCHES:
         raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
-    if args.weight_decay < 0:
-        raise cli.UsageError(f"--weight-decay {args.weight_decay}: must be >= 0")
     buckets = args.grad_sync == "buckets"
     if args.bucket_mb is not None and not buckets:
         raise cli.UsageError(

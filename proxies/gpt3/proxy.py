@@ -295,8 +295,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     sp = args.sequence_parallel and tp > 1
     if sp and T % tp:
         raise err(f"--sequence-parallel: --seq-len {T} is not a multiple of --tp {tp}")
-    if args.weight_decay < 0:
-        raise err(f"--weight-decay {args.weight_decay}: must be >= 0")
     dp = world // (tp * pp)
     moe = None
     E = args.moe_experts
