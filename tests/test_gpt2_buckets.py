@@ -12,9 +12,9 @@ from launch import mpirun
 from proxies.core import cli
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
-from proxies.gpt2.config import GPT2Config, backward_pieces, layout_size, stage_layout
-from proxies.gpt2.model import StageModel
 from proxies.gpt2.proxy import make_job, parser, split_layers
+from proxies.transformer.config import GPT2Config, backward_pieces, layout_size, stage_layout
+from proxies.transformer.stage_model import StageModel
 
 CFG = GPT2Config("t", 3, 16, 2, vocab_size=32, max_seq_len=8)
 B, T = 2, 5

@@ -15,8 +15,8 @@ from launch import mpirun, run
 
 from proxies.core.plan import P2P, Collective, Compute
 from proxies.core.simulate import simulate
-from proxies.gpt2.config import PRESETS
 from proxies.gpt2.proxy import PROG, make_job, parser, stage_params
+from proxies.transformer.config import PRESETS
 
 P2PSIZE = 808_960  # 1 x 632 x 1280
 BEGINSIZE = 85_317_120  # layer + wte + wpe

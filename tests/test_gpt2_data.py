@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch, write_token_file
+from proxies.transformer.data import DataError, Synthetic, TokenFile, batch, write_token_file
 
 
 def test_synthetic_samples_depend_only_on_seed_and_index():

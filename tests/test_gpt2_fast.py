@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proxies.gpt2 import fast as F
-from proxies.gpt2 import kernels as K
+from proxies.transformer import fast as F
+from proxies.transformer import kernels as K
 
 B, T, C, NH, V = 3, 16, 32, 4, 101
 RTOL = 1e-5
@@ -186,8 +186,8 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
     monkeypatch.setattr(F, "BLOCK", 1 << 12)  # still many blocks over the 3.4M parameters
     monkeypatch.setattr(F, "ADAMW_BLOCK", 1 << 12)
     monkeypatch.setattr(F, "_DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
-    from proxies.gpt2.config import PRESETS
-    from proxies.gpt2.model import StageModel
+    from proxies.transformer.config import PRESETS
+    from proxies.transformer.stage_model import StageModel
 
     cfg = PRESETS["gpt2-tiny"].with_layers(3)
     Bm, Tm = 2, 24

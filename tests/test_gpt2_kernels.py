@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gradcheck import check, numgrad, rand
 
-from proxies.gpt2 import kernels as K
+from proxies.transformer import kernels as K
 
 B, T, C, NH, V = 2, 5, 8, 2, 11
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from gradcheck import check
 
-from proxies.gpt2.config import GPT2Config
-from proxies.gpt2.model import StageModel
+from proxies.transformer.config import GPT2Config
+from proxies.transformer.stage_model import StageModel
 
 CFG = GPT2Config("t", 2, 16, 2, vocab_size=32, max_seq_len=8)
 B, T = 2, 5

@@ -157,7 +157,7 @@ def test_a_crashing_rank_ends_the_job_with_one_traceback():
 def test_llmc_token_file_trains_the_same_in_every_layout(tmp_path):
     import numpy as np
 
-    from proxies.gpt2.data import write_token_file
+    from proxies.transformer.data import write_token_file
 
     path = tmp_path / "tokens.bin"
     write_token_file(str(path), np.random.default_rng(3).integers(0, 50257, 5000))

@@ -4,8 +4,8 @@ import pytest
 
 from proxies.core.plan import Collective, Compute
 from proxies.core.simulate import simulate
-from proxies.gpt2.config import PRESETS
 from proxies.gpt2.proxy import make_job, parser, split_layers, stage_params
+from proxies.transformer.config import PRESETS
 
 
 def job(argv, world):

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from proxies.core.plan import Collective, Compute, Wait
-from proxies.gpt2.data import Synthetic, batch
-from proxies.gpt2.model import StageModel
-from proxies.gpt3.config import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
-from proxies.gpt3.layout import Layout, shard
-from proxies.gpt3.model import StageShard
 from proxies.gpt3.proxy import Templates, make_job, parser
+from proxies.transformer.data import Synthetic, batch
+from proxies.transformer.layout import Layout, shard
+from proxies.transformer.model import StageShard
+from proxies.transformer.setup import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
+from proxies.transformer.stage_model import StageModel
 
 T = 32
 TINY = ["--model", "gpt3-tiny", "--seq-len", str(T), "--compute", "real", "--lr", "1e-3"]

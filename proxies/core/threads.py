@@ -22,7 +22,7 @@ LOCAL_SIZE_VARS = (
 
 # OpenBLAS's threads spin for 2^OPENBLAS_THREAD_TIMEOUT TSC ticks after each call before they
 # sleep: 2^28 (about 0.1 s) by default. The elementwise kernels that follow a matmul run on the
-# same cores (proxies/gpt2/fast.py), so for that long they lost a core to the spinning: GPT-2
+# same cores (proxies/transformer/fast.py), so for that long they lost a core to the spinning: GPT-2
 # 124M's AdamW right after the backward took 300-320 ms instead of 240-260 (2 cores). 2^18
 # ticks (about 0.1 ms) still keeps the threads awake between back-to-back matmuls (shorter,
 # 2^4, made the matmuls themselves slower). Set unless the user did.

@@ -5,7 +5,7 @@ global batch), C / OC a layer's input / output width, D embedding width, P pooli
 rows, NT tables, F = NT + 1 interaction vectors. A linear weight is (OC,C) (nn.Linear's
 layout) and out = inp @ weight.T + bias.
 
-Conventions, as in proxies/gpt2/kernels.py (after llm.c):
+Conventions, as in proxies/transformer/kernels.py (after llm.c):
 - outputs first; forward kernels write into preallocated arrays and save what backward needs;
 - backward kernels ACCUMULATE (+=) into dense gradient buffers, so callers zero them; the
   embedding bag's backward returns its gradient sparse (touched rows only), as DLRM's

@@ -28,7 +28,7 @@ Reported per shape:
   minus RSS after imports, against the bound of the issue: 4 bytes x 4N (parameters,
   gradients, AdamW m and v) + the activations saved for backward (the arrays of one
   StageActs that own their memory). MiB throughout.
-- with --torch: the same model and data in PyTorch eager (proxies/gpt2/torch_ref.py), steps
+- with --torch: the same model and data in PyTorch eager (proxies/transformer/reference.py), steps
   alternating ours/torch, first one then the other, so machine noise hits both; the first
   step's losses (relative difference, LOSS_TOL) and gradients before the first optimizer
   step (per tensor max|g_ours - g_torch| / max|g_torch|, worst tensor, GRAD_TOL); the
@@ -58,10 +58,10 @@ import numpy as np
 
 from proxies.core import cli, exits, provenance, report
 from proxies.core import threads as blas_threads
-from proxies.gpt2.config import PRESETS, GPT2Config
-from proxies.gpt2.data import Synthetic, batch
-from proxies.gpt2.kernels import CLASSIFIER_CHUNK
-from proxies.gpt2.model import StageModel
+from proxies.transformer.config import PRESETS, GPT2Config
+from proxies.transformer.data import Synthetic, batch
+from proxies.transformer.kernels import CLASSIFIER_CHUNK
+from proxies.transformer.stage_model import StageModel
 
 PROG = "proxies.gpt2.bench"
 DEFAULT_SHAPES = "4x64,4x256"
@@ -395,7 +395,7 @@ def run_shape(args, cfg: GPT2Config, B: int, T: int, torch) -> dict:
             ours_opt()
         return {**rec, **ours.summary("", args.warmup, B * T), "model_flops": 3 * m.flops_forward()}
 
-    from proxies.gpt2.torch_ref import GPT2, adamw
+    from proxies.transformer.reference import GPT2, adamw
 
     ref = GPT2.from_stage(m)
     opt = adamw(ref, LR, fused=args.torch_adamw == "fused")

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from proxies.core import cli
 from proxies.core.pipeline import BACKWARD, FORWARD, p2p_batch, p2p_tag
 from proxies.core.plan import Collective, Msg, Op
-from proxies.gpt2.config import GPT2Config
+from proxies.transformer.config import GPT2Config
 
 PRESET = "dnn-cpp-proxies"  # --model: the C++ proxy's sizes, as cosmoflow's and dlrm's
 WIDTHS = "gpt2-large"  # its widths: C = 1280, 20 heads, V = 50257, context 1024

@@ -15,9 +15,9 @@ from __future__ import annotations
 from proxies.core import memory
 from proxies.core.plan import Plan, block_range
 from proxies.core.schedules import SCHEDULES
-from proxies.gpt2 import fast
-from proxies.gpt2.config import GPT2Config, layout_size, stage_layout
-from proxies.gpt2.kernels import CLASSIFIER_CHUNK, _chunk_rows
+from proxies.transformer import fast
+from proxies.transformer.config import GPT2Config, layout_size, stage_layout
+from proxies.transformer.kernels import CLASSIFIER_CHUNK, _chunk_rows
 
 F32 = 4
 

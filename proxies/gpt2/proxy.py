@@ -28,7 +28,7 @@ from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt2 import cpp
-from proxies.gpt2.config import (
+from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
     backward_pieces,
@@ -36,8 +36,8 @@ from proxies.gpt2.config import (
     stage_flops,
     stage_layout,
 )
-from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
-from proxies.gpt2.fast import adamw_update
+from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
+from proxies.transformer.fast import adamw_update
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -207,7 +207,7 @@ class GPT2Runtime:
         }
         self.model = None
         if mode in ("real", "replay"):
-            from proxies.gpt2.model import StageModel
+            from proxies.transformer.stage_model import StageModel
 
             self.model = StageModel(cfg, layers, first, last, B, T, seed=args.seed)
             self.params, self.grads = self.model.params, self.model.grads

@@ -14,9 +14,9 @@ from __future__ import annotations
 from proxies.core import memory
 from proxies.core.plan import Plan
 from proxies.core.schedules import SCHEDULES
-from proxies.gpt2.kernels import CLASSIFIER_CHUNK
-from proxies.gpt3.config import Chunk, Setup
-from proxies.gpt3.layout import Layout
+from proxies.transformer.kernels import CLASSIFIER_CHUNK
+from proxies.transformer.layout import Layout
+from proxies.transformer.setup import Chunk, Setup
 
 F32 = 4
 

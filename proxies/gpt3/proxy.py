@@ -38,9 +38,11 @@ from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
-from proxies.gpt2.data import DataError, Synthetic, TokenFile, batch
 from proxies.gpt2.proxy import split_layers
-from proxies.gpt3.config import (
+from proxies.gpt3.memory import estimate as estimate_memory
+from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
+from proxies.transformer.layout import Layout, Unit
+from proxies.transformer.setup import (
     DEFAULT_MODEL,
     PRESETS,
     MoESpec,
@@ -48,9 +50,7 @@ from proxies.gpt3.config import (
     cpp_device_tflops,
     padded_vocab,
 )
-from proxies.gpt3.layout import Layout, Unit
-from proxies.gpt3.memory import estimate as estimate_memory
-from proxies.gpt3.templates import Templates
+from proxies.transformer.templates import Templates
 
 PROG = "proxies.gpt3"
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
@@ -549,7 +549,7 @@ class GPT3Runtime:
             self.ranges[("dpgrad", k)] = (lo_d, hi_d)
             self.ranges[("edpgrad", k)] = (lo_e, hi_e)
         if mode in ("real", "replay"):
-            from proxies.gpt3.model import StageShard
+            from proxies.transformer.model import StageShard
 
             self.model = StageShard(S, stage, tp_rank, ep_rank, seed=args.seed)
             self.model.loss_scale = 1.0 / (S.m * S.dp)

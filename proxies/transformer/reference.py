@@ -1,7 +1,7 @@
 """GPT-2 in PyTorch eager, the reference the NumPy StageModel is timed and checked against.
 
 Letters as in config.py: B batch, T time, C channels, NH heads, hs = C / NH, V vocabulary.
-The same math as proxies/gpt2/kernels.py: layernorm eps 1e-5, GELU with the tanh
+The same math as proxies/transformer/kernels.py: layernorm eps 1e-5, GELU with the tanh
 approximation, causal attention with q, k, v side by side in c_attn's output, the LM head
 tied to wte, loss = mean cross-entropy over B*T. Parameters are named as StageModel.views
 (nanoGPT / the HF checkpoint), weights (OC, C) with out = x @ W.T, so `from_stage` copies
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proxies.gpt2.config import GPT2Config, layer_shapes
-from proxies.gpt2.kernels import LN_EPS
+from proxies.transformer.config import GPT2Config, layer_shapes
+from proxies.transformer.kernels import LN_EPS
 
 
 class GPT2(nn.Module):

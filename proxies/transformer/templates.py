@@ -5,7 +5,7 @@ Megatron-LM issues them. proxy.build_plan expands them into each rank's plan."""
 from __future__ import annotations
 
 from proxies.core.plan import Collective, Compute
-from proxies.gpt3.config import Setup, layer_flops
+from proxies.transformer.setup import Setup, layer_flops
 
 
 class Templates:

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.gpt2.fast import gelu_backward, gelu_forward, matmul_backward, matmul_forward
-from proxies.gpt3.config import Chunk
+from proxies.transformer.fast import gelu_backward, gelu_forward, matmul_backward, matmul_forward
+from proxies.transformer.setup import Chunk
 
 
 class MoEPieces:

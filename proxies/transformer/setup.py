@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from proxies.gpt2.config import GPT2Config
+from proxies.transformer.config import GPT2Config
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proxies.gpt2.config import layer_shapes
-from proxies.gpt2.model import LAYER_TENSORS
-from proxies.gpt3.config import Setup
+from proxies.transformer.config import layer_shapes
+from proxies.transformer.setup import Setup
+from proxies.transformer.stage_model import LAYER_TENSORS
 
 ATTN_TENSORS = LAYER_TENSORS[:8]  # ln_1, c_attn, c_proj, ln_2: every layer, MoE or not
 MLP_TENSORS = LAYER_TENSORS[8:]

@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from proxies.gpt2.config import layer_shapes
-from proxies.gpt2.fast import (
+from proxies.transformer.config import layer_shapes
+from proxies.transformer.fast import (
     CLASSIFIER_CHUNK,
     adamw_update,
     attention_backward,
@@ -50,11 +50,11 @@ from proxies.gpt2.fast import (
     matmul_backward,
     matmul_forward,
 )
-from proxies.gpt2.model import LAYER_TENSORS, _normal
-from proxies.gpt3.config import Chunk, Setup
-from proxies.gpt3.layout import ATTN_TENSORS, Layout, shard
-from proxies.gpt3.moe import MoEPieces
-from proxies.gpt3.sp import SequenceParallelPieces
+from proxies.transformer.layout import ATTN_TENSORS, Layout, shard
+from proxies.transformer.moe import MoEPieces
+from proxies.transformer.setup import Chunk, Setup
+from proxies.transformer.sp import SequenceParallelPieces
+from proxies.transformer.stage_model import LAYER_TENSORS, _normal
 
 # ----------------------------------------------------------------------------------------
 # real compute

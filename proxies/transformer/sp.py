@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.gpt2.fast import layernorm_forward
-from proxies.gpt3.config import Chunk
+from proxies.transformer.fast import layernorm_forward
+from proxies.transformer.setup import Chunk
 
 
 class SequenceParallelPieces:

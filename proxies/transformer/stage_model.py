@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxies.gpt2 import fast, kernels
-from proxies.gpt2.config import GPT2Config, layer_shapes, layout_size, stage_layout
+from proxies.transformer import fast, kernels
+from proxies.transformer.config import GPT2Config, layer_shapes, layout_size, stage_layout
 
 # The kernels a StageModel runs: the fast ones, or the reference ones (tests compare them).
 KERNELS = {"fast": fast, "plain": kernels}

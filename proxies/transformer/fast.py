@@ -30,8 +30,8 @@ from functools import lru_cache, partial
 import numpy as np
 
 from proxies.core import threads
-from proxies.gpt2 import kernels as ref
-from proxies.gpt2.kernels import (  # noqa: F401  (re-exported: same kernels, no faster form)
+from proxies.transformer import kernels as ref
+from proxies.transformer.kernels import (  # noqa: F401  (re-exported: same kernels, no faster form)
     CLASSIFIER_CHUNK,
     encoder_backward,
     encoder_forward,
