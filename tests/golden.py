@@ -225,6 +225,8 @@ def encode_fields(obj, rank: int) -> dict:
                 continue
         elif f.name == "peer":
             v = v - rank
+        elif type(v).__name__ == "Span":  # a typed buffer key (core/plan.py): stored as it prints
+            v = str(v)
         out[f.name] = v
     return out
 

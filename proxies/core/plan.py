@@ -60,12 +60,34 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A buffer key naming the flat range [lo, hi) of a runtime's array `name` (a gradient
+    bucket's part of the flat gradient buffer): the runtime slices it, nothing parses it.
+    Prints as "name:lo:hi" in plans, logs and goldens."""
+
+    name: str
+    lo: int
+    hi: int
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.lo}:{self.hi}"
+
+    @property
+    def count(self) -> int:
+        return self.hi - self.lo
+
+
+# A buffer key: a name the runtime resolves (with the micro-batch), or a Span of one.
+Buf = str | Span
+
+
+@dataclass(frozen=True)
 class Msg:
     """One side of a point-to-point message."""
 
     peer: int  # world rank on the other side
     tag: int
-    buf: str  # buffer name, e.g. "act" (activation) or "grad" (activation gradient)
+    buf: Buf  # buffer name, e.g. "act" (activation) or "grad" (activation gradient)
     mb: int  # micro-batch the buffer belongs to
     count: int  # elements
     dtype: str = "float32"
@@ -100,7 +122,7 @@ class Collective:
 
     kind: str  # one of COLLECTIVE_KINDS
     group: str  # key into Plan.groups
-    buf: str
+    buf: Buf
     count: int
     dtype: str = "float32"
     mb: int = -1
