@@ -17,6 +17,8 @@ import pytest
 from launch import mpirun
 from launch import run as run_cmd
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 HIDDEN = "_hidden"
 
 

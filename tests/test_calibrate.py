@@ -56,6 +56,7 @@ def test_bad_output_path_exits_2_before_measuring():
     assert "ping-pong" not in r.stdout
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks,args,words",
     [
@@ -70,6 +71,7 @@ def test_impossible_layouts_exit_2(tmp_path, ranks, args, words):
     one_error_line(r, words)
 
 
+@pytest.mark.mpi
 def test_quick_run_on_one_node(tmp_path):
     out = str(tmp_path / "m.yaml")
     r = mpirun(2, "proxies", "calibrate", "-o", out, "--quick", timeout=120)
@@ -88,6 +90,7 @@ def test_quick_run_on_one_node(tmp_path):
     assert "# not measured: inter_node" in text and "inter_node:" not in text.split("calib")[0]
 
 
+@pytest.mark.mpi
 def test_quick_run_on_emulated_nodes(tmp_path):
     out = str(tmp_path / "m.yaml")
     r = mpirun(

@@ -394,6 +394,7 @@ GPT2 = ["2", "1", "2", "--model", "gpt2-tiny", "--seq-len", "32", "--iters", "1"
 GPT2 += ["--warmup", "0", "--quiet", "--check", "--compute", "none"]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "fault, extra, kind, says",
     [

@@ -3,6 +3,8 @@
 import pytest
 from launch import mpirun
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 CASES = [
     # (ranks, args, words the message must contain)
     (3, ["4", "2"], ["world size 3 is not a multiple of STAGES = 2"]),

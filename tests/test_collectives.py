@@ -45,6 +45,7 @@ def test_double_binary_trees(n):
         assert leaves[0] | leaves[1] == set(range(n)), "complementary trees"
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", range(1, 9))
 def test_algorithms_equal_numpy(ranks):
     # "mpi,yield": every case once with MPI's Waitall and once with the engine's Waiter
@@ -53,6 +54,7 @@ def test_algorithms_equal_numpy(ranks):
     assert f"collectives OK on {ranks} ranks" in r.stdout
 
 
+@pytest.mark.mpi
 def test_benchmark_table_and_json(tmp_path):
     out = tmp_path / "rows.json"
     args = ["-b", "8", "-e", "32K", "-f", "8", "-n", "2", "-w", "1", "--check"]
@@ -82,6 +84,7 @@ BAD = [
 ]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("args,words", BAD, ids=[" ".join(b[0]) for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     r = run([mpiexec(), "-n", "2", sys.executable, "-m", "proxies.collectives", *args], 60)
@@ -98,6 +101,7 @@ def test_every_algorithm_is_an_allreduce_option():
     assert set(ALLREDUCE_ALGS) == set(ALGORITHMS)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_benchmark_checks_16_bit_sums(tmp_path, dtype):
     """bf16/fp16 through every algorithm and MPI's (a user-defined float32-accumulating

@@ -118,6 +118,7 @@ for i, case in enumerate(cases):
 TYPES = {"half": "float16", "bfloat16": "bfloat16", "double": "float64", "int": "int32"}
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [3, 4, 5])
 def test_every_op_checked_against_numpy(tmp_path, n):
     code = JOB.format(cases=CASES, common=COMMON)
@@ -191,6 +192,7 @@ def test_bad_input_is_a_usage_error(args, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("args", [["broadcast", "-r", "2"], ["-o", "prod", "-a", "tree"]])
 def test_bad_input_under_mpi_is_one_line_and_exit_2(args):
     """-r past the world (known only once MPI runs) and a parse-time refusal, end to end."""

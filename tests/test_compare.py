@@ -193,6 +193,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, what, words):
     assert r.stdout == ""
 
 
+@pytest.mark.mpi
 def test_real_runs_compare(tmp_path):
     """Two real 1-rank runs of the same configuration: compared, whatever the verdict."""
     paths = [str(tmp_path / f"{x}.json") for x in "ab"]

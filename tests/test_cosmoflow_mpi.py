@@ -7,6 +7,8 @@ import json
 import pytest
 from launch import mpirun
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 PROG = "proxies.cosmoflow"
 # Global batch 2 in every layout: 1 replica of 2 samples or 2 replicas of 1.
 # A large learning rate: later losses then depend strongly on the gradients.

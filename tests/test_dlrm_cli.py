@@ -28,6 +28,7 @@ CASES = [
 ]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks,args,words", CASES, ids=[" ".join(c[1]) for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(ranks, args, words):
     r = mpirun(ranks, "proxies.dlrm", *args, "--timeout", "20", timeout=60)
@@ -64,6 +65,7 @@ def test_dry_run_of_many_ranks_and_its_errors():
         assert "plan valid: 128 ranks" in ok.stdout and f"tables {sharding}-wise" in ok.stdout
 
 
+@pytest.mark.mpi
 def test_help_is_printed_once():
     r = mpirun(2, "proxies.dlrm", "--help", timeout=60)
     assert r.returncode == 0

@@ -7,6 +7,8 @@ import statistics
 import pytest
 from launch import mpirun
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 TINY = ["--model", "dlrm-tiny", "--iters", "3", "--warmup", "0", "--quiet"]
 
 

@@ -6,6 +6,8 @@ import sys
 import pytest
 from launch import ROOT, mpiexec, run
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 DRIVER = os.path.join(ROOT, "tests", "engine_driver.py")
 
 

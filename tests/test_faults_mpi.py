@@ -19,6 +19,8 @@ from launch import mpirun
 from proxies.core import exits, faults
 from proxies.core.plan import Compute
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 HIDDEN = "_hidden"
 # test_breakdown's 4 identical stages (GPT-3 layers only), sleeps of FLOPs at 1 TFLOP/s.
 GPT3 = ["4", "4", "--model", "gpt3-medium", "--layers-only", "--seq-len", "256"]

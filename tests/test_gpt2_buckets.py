@@ -220,6 +220,7 @@ def run(tmp_path, ranks, *argv):
     return json.loads(out.read_text())
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks,argv",
     [
@@ -235,6 +236,7 @@ def test_buckets_train_like_the_fused_allreduce(tmp_path, ranks, argv):
     assert got["breakdown_s"]["dp_allreduce_hidden"][0] > 0
 
 
+@pytest.mark.mpi
 def test_overlap_exposes_less_allreduce_time(tmp_path):
     """The issue's "less exposed allreduce time with overlap on", where it is structural:
     the last stage's tied-embedding gradient (98% of its gradients) is complete after the LM

@@ -201,6 +201,7 @@ def test_bad_combinations_are_one_line_and_exit_2(argv, words):
         assert w in lines[0]
 
 
+@pytest.mark.mpi
 def test_bad_combination_ends_every_rank():
     r = mpirun(2, "proxies.gpt2", "2", "2", "--model", "dnn-cpp-proxies", "--compute", "real",
                "--timeout", "20", timeout=60)  # fmt: skip
@@ -217,6 +218,7 @@ def comm_only(tmp_path, *argv) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.mpi
 def test_four_ranks_at_the_cpp_sizes_with_check(tmp_path):
     """4 stages of one replica at the C++ proxy's sizes (its `./gpt2 4 4 4`), every
     message verified: stage 0 and 3 move 4 activations each way, the middle stages 8."""
@@ -227,6 +229,7 @@ def test_four_ranks_at_the_cpp_sizes_with_check(tmp_path):
     assert "dp_allreduce" not in got["bytes"] and "embed_allreduce" not in got["bytes"]
 
 
+@pytest.mark.mpi
 def test_four_ranks_per_layer_allreduces_with_check(tmp_path):
     """2 stages x 2 replicas (small widths: the same plan code, seconds on 2 cores): one
     verified allreduce per layer, no embedding allreduce, no compute."""

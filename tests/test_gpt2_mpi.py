@@ -7,6 +7,8 @@ from launch import mpirun
 
 from proxies.core import exits
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--iters", "3", "--warmup", "0", "--quiet"]
 
 

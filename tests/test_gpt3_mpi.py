@@ -10,6 +10,8 @@ import pytest
 from launch import mpirun
 from test_gpt3_model import MOE, MOE_DROPLESS, emulate, reference
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 TINY = ["--model", "gpt3-tiny", "--seq-len", "32", "--iters", "2", "--warmup", "0", "--quiet"]
 
 

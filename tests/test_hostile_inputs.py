@@ -246,6 +246,7 @@ def test_hostile_value_end_to_end(module, args, option):
     assert option in one_line(r, module)
 
 
+@pytest.mark.mpi
 def test_hostile_value_under_mpiexec_prints_once():
     r = mpirun(2, "proxies.gpt2", "2", "--timeout", "-5", timeout=60)
     assert "--timeout" in one_line(r, "proxies.gpt2")
@@ -277,6 +278,7 @@ def test_dry_run_output_is_checked_before_planning():
     assert "--json /proc/x" in one_line(r, "proxies.gpt3")
 
 
+@pytest.mark.mpi
 def test_calibrate_output_uses_the_same_check(tmp_path):
     r = mpirun(2, "proxies.calibrate", "-o", str(tmp_path), "--quick", timeout=60)
     assert "is a directory" in one_line(r, "proxies.calibrate")
@@ -313,6 +315,7 @@ def test_when_nothing_can_be_written_none_and_no_temp_file(tmp_path, monkeypatch
 # -- divergence -----------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_a_diverging_run_exits_6_with_its_results_written(tmp_path):
     out = tmp_path / "r.json"
     # dlrm-tiny's SGD at lr 10 overflows: loss inf/nan within 6 iterations (deterministic)
@@ -397,6 +400,7 @@ def test_a_stale_rank_variable_does_not_hide_errors(env):
     assert "unrecognized arguments: --bogus" in one_line(r, "proxies.gpt2")
 
 
+@pytest.mark.mpi
 def test_ctrl_c_is_one_line_and_exit_130():
     # A long run; SIGINT to the launcher's process group, as a terminal's Ctrl-C does.
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "proxies.gpt2", "2", "2", "--seq-len",

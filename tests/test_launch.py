@@ -26,6 +26,7 @@ def test_the_banner_is_split_off_and_nothing_else():
     assert split_banner(line + other) == (line + other, "")
 
 
+@pytest.mark.mpi
 def test_a_bad_input_is_one_line_under_this_mpi():
     r = mpirun(2, "proxies.gpt2", "4", "--iters", "-3", timeout=60)
     assert r.returncode == 2, r.stderr

@@ -51,6 +51,7 @@ MEASURED = {
 }
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", sorted(MEASURED))
 def test_estimate_within_25_percent_of_measured_peak(case):
     cmd = [mpiexec(), "-n", "1", sys.executable, "-c", PROBE, *MEASURED[case], *SHORT]
@@ -67,6 +68,7 @@ def test_estimate_within_25_percent_of_measured_peak(case):
     assert 0.75 <= got["fixed"] / memory.BASELINE_BYTES <= 1.25, got["fixed"] >> 20
 
 
+@pytest.mark.mpi
 def test_impossible_config_is_refused_up_front_with_the_figures():
     # the hardening issue's example: before, a NumPy MemoryError traceback
     r = mpirun(
@@ -86,6 +88,7 @@ def test_impossible_config_is_refused_up_front_with_the_figures():
         assert words in line, line
 
 
+@pytest.mark.mpi
 def test_memory_limit_size_refuses_and_off_overrides():
     args = ["gpt2-tiny", "--seq-len", "32", "--iters", "1", "--warmup", "0", "--quiet"]
     r = mpirun(1, "proxies.gpt2", "--model", *args, "--memory-limit", "64MiB", timeout=60)
@@ -98,6 +101,7 @@ def test_memory_limit_size_refuses_and_off_overrides():
     assert r.returncode == exits.OK, r.stderr
 
 
+@pytest.mark.mpi
 def test_gpt3_real_175b_layers_refused():
     r = mpirun(1, "proxies.gpt3", "8", "1", "--compute", "real", timeout=60)
     assert r.returncode == exits.USAGE

@@ -168,6 +168,7 @@ def expected_numbers(result: dict) -> list[str]:
     return vals
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("width", WIDTHS)
 def test_run_report_uncut(cosmoflow_result, width):
     out = recorder(width)
@@ -189,6 +190,7 @@ def test_run_report_uncut(cosmoflow_result, width):
         assert named and set(named.values()) <= names
 
 
+@pytest.mark.mpi
 def test_one_iteration_and_one_rank_words(cosmoflow_result):
     one = dict(cosmoflow_result, iter_time_s=cosmoflow_result["iter_time_s"][:1])
     out = recorder(80)
@@ -220,6 +222,7 @@ def sweep_record(label, ranks, t, **bd):
     }
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("width", WIDTHS)
 def test_sweep_table_uncut(cosmoflow_result, width):
     bd = cosmoflow_result["breakdown_s"]

@@ -104,6 +104,7 @@ def test_wheel_holds_the_package_configs_schema_licence_and_scripts(installed):
         assert f"\n{s} = " in scripts
 
 
+@pytest.mark.mpi
 def test_console_scripts_version(installed):
     for name in ("proxies", "proxies-gpt2", "proxies-dlrm"):
         r = script(installed, name, "--version")
@@ -113,6 +114,7 @@ def test_console_scripts_version(installed):
     assert r.stdout.strip() == f"mpi-dl-proxies {proxies.__version__}"
 
 
+@pytest.mark.mpi
 def test_console_script_dry_run_with_a_shipped_machine(installed):
     tmp = installed[3]
     out = tmp / "dry.json"
@@ -138,6 +140,7 @@ def test_console_script_dry_run_with_a_shipped_machine(installed):
     assert str(tmp / "venv") in r.stdout
 
 
+@pytest.mark.mpi
 def test_console_script_runs_a_proxy_on_two_ranks(installed):
     tmp = installed[3]
     out = tmp / "run.json"
@@ -151,6 +154,7 @@ def test_console_script_runs_a_proxy_on_two_ranks(installed):
     assert result["world_size"] == 2 and len(result["loss"]) == 1
 
 
+@pytest.mark.mpi
 def test_shipped_sweep_file_from_any_folder(installed):
     r = script(installed, "proxies", "sweep", "configs/smoke.yaml", "--print-commands")
     assert r.returncode == 0, r.stderr

@@ -71,6 +71,7 @@ def workdir(tmp_path_factory):
     return d
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("command", EXAMPLES, ids=[c[:70] for c in EXAMPLES])
 def test_example(command, workdir):
     # Not in the checkout: a sweep's results/ left there made the reader's next sweep run

@@ -188,6 +188,7 @@ def test_dry_run_json_conforms(tmp_path, proxy):
     assert_provenance(result, launcher=None)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("proxy", sorted(REAL))
 def test_real_run_json_conforms(tmp_path, proxy):
     out = tmp_path / "run.json"
@@ -222,6 +223,7 @@ def test_result_that_breaks_the_schema_is_caught(tmp_path):
     ]
 
 
+@pytest.mark.mpi
 def test_collectives_rows_carry_provenance(tmp_path):
     out = tmp_path / "rows.json"
     args = ["-b", "8", "-e", "64", "-n", "2", "-w", "0", "--json", str(out)]

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from launch import mpirun
 
 PROBE = "import proxies, os, json; print(json.dumps(dict(os.environ)))"
@@ -33,6 +34,7 @@ def test_parent_choice_is_recomputed_and_user_choice_kept():
     assert child_env(user)["OMP_NUM_THREADS"] == "3"
 
 
+@pytest.mark.mpi
 def test_ranks_launched_from_a_python_that_imported_proxies_get_one_thread(tmp_path):
     # This test process imported proxies (1 rank: threads = cores); 8 ranks must not inherit it.
     out = tmp_path / "r.json"

@@ -17,6 +17,8 @@ from launch import ROOT, mpiexec, mpirun
 
 from proxies.core import exits
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI
+
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--warmup", "0", "--quiet"]
 
 

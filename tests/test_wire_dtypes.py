@@ -111,6 +111,7 @@ for _, _, a in REAL.values():
     a += ["--iters", "1", "--warmup", "1"] if "--iters" not in a else []
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("name", list(REAL))
 def test_bf16_training_stays_within_tolerance_and_checks(tmp_path, name):
     ranks, module, args = REAL[name]
@@ -129,6 +130,7 @@ def test_bf16_training_stays_within_tolerance_and_checks(tmp_path, name):
     assert "dtype_cast" in got["breakdown_s"] and "dtype_cast" not in want["breakdown_s"]
 
 
+@pytest.mark.mpi
 def test_check_catches_a_corrupted_bf16_message():
     r = mpirun(
         4,
@@ -141,6 +143,7 @@ def test_check_catches_a_corrupted_bf16_message():
     assert "--check: rank 1 received act_in mb 0 from rank 0" in r.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "module", ["proxies.gpt2", "proxies.gpt3", "proxies.cosmoflow", "proxies.dlrm"]
 )
