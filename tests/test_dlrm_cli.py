@@ -41,6 +41,7 @@ def test_bad_input_is_one_line_and_exit_2(ranks, args, words):
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+@pytest.mark.slow
 def test_dry_run_of_many_ranks_and_its_errors():
     import sys
 

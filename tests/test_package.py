@@ -89,6 +89,7 @@ def script(installed, name: str, *args: str, mpi: int = 0, timeout: float = 120)
     return run(cmd, timeout=timeout, env=env, cwd=str(tmp))  # outside the checkout
 
 
+@pytest.mark.slow
 def test_wheel_holds_the_package_configs_schema_licence_and_scripts(installed):
     wheel = installed[0]
     assert os.path.basename(wheel) == f"mpi_dl_proxies-{proxies.__version__}-py3-none-any.whl"

@@ -26,6 +26,7 @@ def tiny_point(proxy: str = "gpt2", mode: str = "none", tflops=None):
     return bench.Point(proxy, config, args, 2, mode, tflops, ["--ranks-per-node", "2"])
 
 
+@pytest.mark.mpi
 def test_one_point_measured_and_predicted():
     row = bench.run_point(tiny_point(), MACHINE, timeout=120, iters=2, warmup=1, run=launch.run)
     assert row["status"] == "ok", row
@@ -42,6 +43,7 @@ def test_one_point_measured_and_predicted():
     assert row["command"].startswith("mpiexec -n 2 python -m proxies.gpt2 ")
 
 
+@pytest.mark.mpi
 def test_model_point_takes_the_rate():
     row = bench.run_point(
         tiny_point("dlrm", "model", 0.5), MACHINE, timeout=120, iters=1, run=launch.run
@@ -65,6 +67,7 @@ def test_compute_at_one_tflops_is_the_dry_runs(tmp_path):
     assert c1 > 0 and c2 == pytest.approx(c1 / 2)
 
 
+@pytest.mark.mpi
 def test_failed_point_is_a_row():
     point = tiny_point("gpt3")
     point.args = [*point.args, "--tp", "3"]  # 3 does not divide the heads: exit 2
@@ -141,6 +144,7 @@ def test_bad_input(args, message):
     assert r.stdout == ""
 
 
+@pytest.mark.mpi
 def test_script_end_to_end(tmp_path):
     # the whole script on one proxy: the none point, the rate from it, the model point, table
     out = tmp_path / "rows.json"
@@ -158,6 +162,7 @@ def test_script_end_to_end(tmp_path):
     assert d["command"].startswith("python benchmarks/predict.py --machine")
 
 
+@pytest.mark.mpi
 def test_script_shows_failed_points(tmp_path):
     cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "gpt2",
            "--quick", "--timeout", "0.01"]  # fmt: skip

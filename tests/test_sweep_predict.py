@@ -310,6 +310,7 @@ def sweep(path, tmp_path, *extra):
     return run([*cmd, *extra], timeout=240)
 
 
+@pytest.mark.slow
 def test_predicted_points_run_without_the_launcher_and_resume(tmp_path):
     """A launcher that fails everything: predicted points never use it."""
     text = BASE + "launcher: 'false -n {ranks} {command}'\npredict_ranks: [4, 16]\n"

@@ -15,6 +15,8 @@ from launch import ROOT, run
 
 from proxies.sweep import results
 
+pytestmark = pytest.mark.mpi  # the sweeps launch their points under mpiexec
+
 # gpt2-tiny, 16 tokens, one timed iteration: about a second a point, launch included.
 SWEEP = """
 name: {name}

@@ -13,10 +13,21 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, memory, provenance, report, threads, waits
+from proxies.core import (
+    cli,
+    exits,
+    faults,
+    memory,
+    provenance,
+    report,
+    threads,
+    traffic,
+    waits,
+)
 from proxies.core.engine import (
     HIDDEN,
     CheckError,
@@ -55,6 +66,16 @@ class Job:
     # World rank -> its estimated memory for the run's --compute mode: {part: bytes}
     # (core/memory.py adds the shared parts); None: no estimate, never refused.
     memory: Callable[[int], dict[str, int]] | None = None
+    # What a proxy adds to the shared dry run, given the representatives' plans {rank: plan}:
+    # lines printed after the plan table, and fields for its JSON.
+    dry_run_lines: Callable[[Any, dict[int, Plan]], None] | None = None  # (console, plans)
+    dry_run_json: Callable[[dict[int, Plan]], dict] | None = None
+    # (grid dimension, its table heading): the dry run's per-dimension traffic table and
+    # JSON "traffic", one row group per coordinate of that dimension (core/traffic.py).
+    traffic_by: tuple[str, str] | None = None
+    # Without --show-ranks, list the ops of one rank per label (False: none, for plans of
+    # thousands of ops per rank).
+    ops_by_default: bool = True
 
     def __post_init__(self) -> None:
         act, grad = self.dtypes
@@ -97,11 +118,21 @@ def dry_run(job: Job, args, machine=None) -> int:
         console.print(line)
 
     print_plan_table(console, job, plans, rep_of if dims else None, dims)
-    for r in show_ranks(args.show_ranks, job, world, reps):
+    if job.dry_run_lines is not None:
+        job.dry_run_lines(console, plans)
+    estimates = memory.by_label(job, reps) if job.memory else {}
+    for line in memory.dry_run_lines(estimates, args.compute):
+        console.print(line)
+    by_coord = traffic.by_coordinate(job, plans, job.traffic_by[0]) if job.traffic_by else {}
+    if by_coord:
+        traffic.print_table(console, job, plans, by_coord)
+    shown = args.show_ranks is not None or job.ops_by_default
+    for r in show_ranks(args.show_ranks, job, world, reps) if shown else []:
         print_ops(console, job, r, (plans[r] if r in plans else job.plan(r)).ops)
 
     rate = args.device_tflops * 1e12
-    checked = prediction.validation_plans(list(plans.values()))[0] if dims else list(plans.values())
+    reps_plans = list(plans.values())
+    checked, cut = prediction.validation_plans(reps_plans) if dims else (reps_plans, set())
     try:
         sim = simulate(
             checked,
@@ -111,31 +142,36 @@ def dry_run(job: Job, args, machine=None) -> int:
         console.print(f"[bold red]plan is invalid[/]: {escape(str(e))}")
         return 1
     nmsg = sum(1 for p in checked for _, _, d in p.messages() if d == "send")
+    ncoll = sum(1 for p in checked for op in p.ops if isinstance(op, Collective))
     computes = ([op for op in p.ops if isinstance(op, Compute)] for p in checked)
     busy = max(sum(op.model_seconds(rate) for op in ops) for ops in computes)
     which = report.plural(world, "rank")
     if dims:
-        which = f"{len(reps)} representatives of {which}"
+        # the folded dimensions' members run identical plans: one of each is simulated
+        which = f"{len(reps)} representatives of {which} ({' = '.join(dims)} = 0)"
+        if cut:
+            which += f", without the {'/'.join(sorted(cut))} collectives"
     console.print(
-        f"plan valid: {which}, {nmsg:,} messages matched, no deadlock. Iteration with "
+        f"plan valid: {which}, {nmsg:,} messages matched, {ncoll:,} collective calls "
+        f"matched, no deadlock. Iteration with "
         f"compute=model (known per-op times where the proxy has them, else FLOPs at "
-        f"{args.device_tflops:g} TFLOP/s) and free communication: {sim.time:.4f} s (the "
-        f"busiest rank computes {busy:.4f} s of it)"
+        f"{args.device_tflops:g} TFLOP/s) and free communication: {sim.time:.4g} s (the "
+        f"busiest rank computes {busy:.4g} s of it)"
         + ("" if machine else "; --machine FILE predicts communication too")
     )
-    estimates = memory.by_label(job, reps) if job.memory else {}
-    for line in memory.dry_run_lines(estimates, args.compute):
-        console.print(line)
     out = {
         "proxy": job.proxy,
         "dry_run": True,
         "config": job.config,
         "world_size": world,
         "grid": job.grid.describe(),
+        "simulated_ranks": len(checked),
         "free_comm_iter_time_s": sim.time,
     }
     if estimates:
         out["memory_bytes"] = estimates  # per stage (label): {part: bytes}
+    out |= traffic.json_fields(by_coord) if by_coord else {}
+    out |= job.dry_run_json(plans) if job.dry_run_json is not None else {}
     out |= provenance.fields()  # schema_version, version, commit, hosts, launcher
     rep = rep_of if dims else range(world)
     by_rep = {r: p.bytes_by_category() for r, p in plans.items()}
@@ -497,7 +533,11 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
         world = args.world_size or cli.env_world_size() or 1
-        return dry_run(job_from_args(args, world), args, machine)
+        job = job_from_args(args, world)
+        if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
+            faults.attach(job, args)  # bad input still exits 2 everywhere
+            return 0
+        return dry_run(job, args, machine)
     if args.world_size is not None:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core import cli, exits, faults, memory, provenance, report, runner
+from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
@@ -665,6 +665,7 @@ def make_job(args, world: int) -> runner.Job:
         fold=("tp", "dp"),
     )
     job.setup = S  # for the dry run
+    dry_run_hooks(job, S)
     job.memory = lambda rank: estimate_memory(
         S, grid.coords(rank)["pp"], schedule, args.compute, job.plan(rank)
     )
@@ -742,193 +743,38 @@ def header_lines(args, S: Setup, grid: ProcessGrid, schedule: str, source) -> li
 
 
 # ----------------------------------------------------------------------------------------
-# dry run: plans for any world size, without MPI
+# dry run: what GPT-3 adds to the shared one (core/runner.dry_run)
 
 
-def dimension_of(category: str) -> str:
-    return category.split("_")[0]
+def dry_run_hooks(job: runner.Job, S: Setup) -> None:
+    """The parameter and comm-only memory lines and JSON fields, and the traffic table per
+    stage, on top of the shared dry run."""
 
+    def pools(plans: dict[int, Plan]) -> int:
+        return max(BufferPool(p, S.inflight).nbytes for p in plans.values())
 
-def plan_traffic(plan: Plan) -> dict[tuple[str, str], list[int]]:
-    """Per (dimension, what): [operations, elements, bytes] for one iteration of one rank."""
-    out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
-    for op in plan.ops:
-        if isinstance(op, P2P):
-            for way, msgs in (("send", op.sends), ("recv", op.recvs)):
-                for msg in msgs:
-                    row = out[(dimension_of(op.category), way)]
-                    row[0] += 1
-                    row[1] += msg.count
-                    row[2] += msg.nbytes
-        elif isinstance(op, Collective):
-            row = out[(op.group, op.kind)]
-            row[0] += 1
-            row[1] += op.count
-            row[2] += op.nbytes
-    return dict(out)
-
-
-def dry_run(args, world: int, machine=None) -> int:
-    from rich.markup import escape
-
-    from proxies.core.simulate import PlanError, simulate
-    from proxies.core.tables import Column, show
-
-    job = make_job(args, world)
-    faults.attach(job, args)  # checked against the job; in the header and config
-    S, grid = _setup_of(job)
-    console = report.console()
-    for line in job.header:
-        console.print(line)
-    reps = [grid.rank_of(pp=s) for s in range(S.pp)]
-    plans = {s: job.plan(r) for s, r in enumerate(reps)}
-    traffic = {s: plan_traffic(p) for s, p in plans.items()}
-
-    # parameters per rank
-    lay = [Layout(S, s) for s in range(S.pp)]
-    held = [lay[s].dense_size + lay[s].expert_size for s in range(S.pp)]
-    console.print(
-        f"parameters: {S.cfg.num_params:,} in the model; per rank (one tensor-parallel shard "
-        f"of its stage) {min(held):,} to {max(held):,}"
-    )
-    pools = [BufferPool(p, S.inflight).nbytes for p in plans.values()]
-    console.print(
-        f"comm-only memory (compute model/none): {max(pools) / 2**30:,.2f} GiB per rank of "
-        f"message buffers, at most (no parameters are allocated)"
-    )
-    estimates = memory.by_label(job, reps)
-    for line in memory.dry_run_lines(estimates, args.compute):
-        console.print(line)
-
-    # traffic per rank and dimension, stages with identical traffic merged
-    cols = [Column("stages", number=False, key=True), Column("ranks each")]
-    cols += [Column("dimension", number=False), Column("group"), Column("op", number=False)]
-    cols += [Column("count"), Column("elements"), Column("bytes"), Column("size", number=False)]
-    table: list[list[str] | None] = []
-    sizes = {name: len(members) for name, members in plans[0].groups.items()}
-    for s in range(S.pp):
-        sizes |= {n: len(m) for n, m in plans[s].groups.items()}
-    runs: list[list[int]] = []
-    for s in range(S.pp):
-        if runs and traffic[runs[-1][-1]] == traffic[s]:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    per_stage = world // S.pp
-    for run in runs:
-        name = str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
-        rows = sorted(traffic[run[0]].items())
-        for i, ((dim, what), (n, elems, nbytes)) in enumerate(rows):
-            table.append(
-                [
-                    name if i == 0 else "",
-                    str(per_stage) if i == 0 else "",
-                    dim,
-                    str(sizes.get(dim, S.pp if dim == "pp" else 1)),
-                    what,
-                    f"{n:,}",
-                    f"{elems:,}",
-                    f"{nbytes:,}",
-                    report.human_bytes(nbytes),
-                ]
-            )
-        table.append(None)  # a rule between stage groups
-    show(console, "traffic per rank per iteration, by dimension", cols, table[:-1])
-
-    for r in runner.show_ranks(args.show_ranks, job, world) if args.show_ranks else []:
-        runner.print_ops(console, job, r, job.plan(r).ops)
-
-    # validate and predict: every rank, or (big worlds) one rank per stage and expert rank
-    sim_plans, note = simulated_plans(job, S, grid, world, plans)
-    rate = args.device_tflops * 1e12
-    try:
-        sim = simulate(
-            sim_plans,
-            cost=lambda rank, op: op.model_seconds(rate) if isinstance(op, Compute) else 0.0,
+    def lines(console, plans: dict[int, Plan]) -> None:
+        lay = [Layout(S, s) for s in range(S.pp)]
+        held = [lay[s].dense_size + lay[s].expert_size for s in range(S.pp)]
+        console.print(
+            f"parameters: {S.cfg.num_params:,} in the model; per rank (one tensor-parallel "
+            f"shard of its stage) {min(held):,} to {max(held):,}"
         )
-    except PlanError as e:
-        console.print(f"[bold red]plan is invalid[/]: {escape(str(e))}")
-        return 1
-    nmsg = sum(1 for p in sim_plans for _, _, d in p.messages() if d == "send")
-    ncoll = sum(1 for p in sim_plans for op in p.ops if isinstance(op, Collective))
-    console.print(
-        f"plan valid: simulated {note}: {nmsg:,} messages matched, {ncoll:,} collective "
-        f"calls matched, no deadlock. Predicted iteration with compute=model "
-        f"(--device-tflops {args.device_tflops:g}) and free communication: {sim.time:.4g} s"
-    )
-    predicted = {}
-    if machine is not None:
-        from proxies.core import prediction
-
-        predicted = prediction.dry_run_report(job, args, machine, console)
-        if predicted is None:
-            return 1
-    if args.json:
-        stage_of = [grid.coords(r)["pp"] for r in range(world)]
-        by_stage = {s: p.bytes_by_category() for s, p in plans.items()}
-        cats = sorted({c for b in by_stage.values() for c in b})
-        written = report.write_json(
-            args.json,
-            {
-                "proxy": "gpt3",
-                "dry_run": True,
-                "config": job.config,
-                "world_size": world,
-                "grid": grid.describe(),
-                "params": S.cfg.num_params,
-                "simulated_ranks": len(sim_plans),
-                "free_comm_iter_time_s": sim.time,
-                "traffic": {
-                    str(s): {f"{d}/{w}": v for (d, w), v in traffic[s].items()} for s in range(S.pp)
-                },
-                "bytes": {c: [by_stage[stage_of[r]].get(c, 0) for r in range(world)] for c in cats},
-                "comm_only_bytes_per_rank": max(pools),
-                "memory_bytes": estimates,
-                **predicted,
-                **provenance.fields(),
-            },
-            prog=PROG,
+        console.print(
+            f"comm-only memory (compute model/none): {pools(plans) / 2**30:,.2f} GiB per rank "
+            f"of message buffers, at most (no parameters are allocated)"
         )
-        if written is None:
-            return exits.FAILED
-    return 0
 
+    def fields(plans: dict[int, Plan]) -> dict:
+        return {"params": S.cfg.num_params, "comm_only_bytes_per_rank": pools(plans)}
 
-def simulated_plans(job, S: Setup, grid: ProcessGrid, world: int, reps: dict) -> tuple:
-    """Plans to simulate: every rank while that stays small, else the ranks with
-    tp = dp = 0 (every stage, every expert rank), without the collectives of groups that
-    reach outside them (tp, dp, edp): see prediction.validation_plans."""
-    from proxies.core import prediction
-
-    dims = prediction.fold_dims(job, world, len(reps[0].ops))
-    if not dims:
-        return [job.plan.__wrapped__(r) for r in range(world)], f"all {world} ranks"
-    ranks = sorted(set(prediction.representatives(grid, dims).tolist()))
-    out, cut = prediction.validation_plans([job.plan(r) for r in ranks])
-    note = (
-        f"{len(ranks)} of {world} ranks (tp = dp = 0, every stage"
-        + (" and expert rank" if S.moe else "")
-        + f"), without the {'/'.join(sorted(cut))} collectives: their members run identical plans"
-    )
-    return out, note
-
-
-def _setup_of(job: runner.Job) -> tuple[Setup, ProcessGrid]:
-    return job.setup, job.grid
+    job.dry_run_lines, job.dry_run_json = lines, fields
+    job.traffic_by = ("pp", "stages")
+    job.ops_by_default = False  # thousands of ops per rank: --show-ranks asks for them
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if args.dry_run:
-        cli.check_output(args.json)  # before planning, however long that takes
-        machine = cli.use_machine(args)
-        world = args.world_size or cli.env_world_size() or 1
-        if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
-            faults.attach(make_job(args, world), args)  # bad input still exits 2 everywhere
-            return 0
-        return dry_run(args, world, machine)
-    return runner.main(make_job, p, argv)
+    return runner.main(make_job, parser(), argv)
 
 
 def entry() -> None:
