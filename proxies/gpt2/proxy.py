@@ -18,26 +18,23 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import defaultdict
 
 import numpy as np
 
 from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
-from proxies.core.schedules import SCHEDULES
+from proxies.core.plan import Compute, Plan, Span, block_range
 from proxies.gpt2 import cpp
 from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
     backward_pieces,
     layout_size,
-    stage_flops,
     stage_layout,
 )
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
 from proxies.transformer.fast import adamw_update
+from proxies.transformer.plan import gpt2_plan
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -226,14 +223,13 @@ class GPT2Runtime:
         self.loss_sum, self.loss_count = 0.0, 0
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        if isinstance(name, Span):  # a bucket: a flat range of the gradients
+            return self.grads[name.lo : name.hi]
         if name in ("grads", "params"):
             return self.grads if name == "grads" else self.params
         if name.startswith("grad:"):  # one parameter tensor's gradient, e.g. "grad:wte"
             offset, size = self.layout[name[5:]]
             return self.grads[offset : offset + size]
-        if name.startswith("grads:"):  # a bucket: a flat range, "grads:LO:HI"
-            lo, hi = map(int, name.split(":")[1:])
-            return self.grads[lo:hi]
         buf = self.bufs.get((name, mb))
         if buf is None:
             buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
@@ -285,106 +281,6 @@ class GPT2Runtime:
         return out
 
 
-def merge_ranges(ranges) -> list[tuple[int, int]]:
-    """Sorted [lo, hi) ranges with adjacent ones joined."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def grad_buckets(pieces, min_count: float) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Gradient buckets in posting order: (index of the piece that completes it, its flat
-    ranges). A bucket is a run of consecutive backward pieces (config.backward_pieces),
-    closed once it holds min_count elements (0: every piece) or at the last piece."""
-    out, ranges = [], []
-    for i, (_, rs) in enumerate(pieces):
-        ranges += rs
-        if sum(hi - lo for lo, hi in ranges) >= min_count or i == len(pieces) - 1:
-            out.append((i, merge_ranges(ranges)))
-            ranges = []
-    return out
-
-
-def bucketed_backward(
-    ops: list, last_mb: int, cfg: GPT2Config, layers: range, first: bool, last: bool, args
-) -> tuple[list, list[str]]:
-    """`ops` with micro-batch last_mb's backward cut into its pieces, each followed by the
-    non-blocking data-parallel allreduces of the buckets it completes (one per contiguous
-    range of the flat buffer); and the requests, for gradient_sync to wait for.
-
-    Each piece's flops are twice its forward's (the LM head's, a layer's; the encoder's
-    none), so the pieces add up to the unsplit backward."""
-    B, T = args.micro_batch, args.seq_len
-    pieces = backward_pieces(cfg, layers, first, last)
-    flops = {"head": 2 * stage_flops(cfg, range(0), True, B, T), "embed": 0.0}
-    layer = 2 * stage_flops(cfg, range(1), False, B, T)
-    posts: dict[int, list[Collective]] = defaultdict(list)
-    reqs: list[str] = []
-    for i, ranges in grad_buckets(pieces, args.bucket_mb * 2**20 / 4):
-        for lo, hi in ranges:
-            reqs.append(f"dp{len(reqs)}")
-            coll = Collective("allreduce", "dp", f"grads:{lo}:{hi}", hi - lo, req=reqs[-1])
-            posts[i].append(coll)
-    out = []
-    for op in ops:
-        if not (isinstance(op, Compute) and op.name == "backward" and op.mb == last_mb):
-            out.append(op)
-            continue
-        for i, (name, _) in enumerate(pieces):
-            out.append(Compute(f"backward:{name}", op.mb, op.chunk, flops.get(name, layer)))
-            out += posts[i]
-    return out, reqs
-
-
-def gradient_sync(
-    cfg: GPT2Config,
-    layers: range,
-    first: bool,
-    last: bool,
-    pp: int,
-    dp: int,
-    args,
-    posted: tuple[str, ...] | list[str] = (),
-) -> list:
-    """The end of an iteration: gradients summed over data-parallel replicas, the tied
-    embedding's between the first and last stage (Megatron's embedding group), AdamW.
-
-    fused: one allreduce of the stage's flat gradient buffer (DP first, then embedding, as
-    Megatron). per-tensor: one allreduce per parameter tensor. buckets: wait for the
-    allreduces `posted` during the last backward (bucketed_backward). ZeRO-1: embedding
-    allreduce first (the shards split wte), reduce-scatter, AdamW on the shard, allgather
-    parameters.
-    """
-    layout = stage_layout(cfg, layers, first, last)
-    n = layout_size(layout)
-    embed = pp > 1 and (first or last)
-    wte = cfg.vocab_size * cfg.n_embd
-    ops = []
-    if args.zero and dp > 1:
-        if embed:
-            ops.append(Collective("allreduce", "embed", "grad:wte", wte))
-        ops.append(Collective("reduce_scatter", "dp", "grads", n))
-        ops.append(Compute("optimizer"))
-        ops.append(Collective("allgather", "dp", "params", n))
-        return ops
-    if dp > 1 and args.grad_sync == "fused":
-        ops.append(Collective("allreduce", "dp", "grads", n))
-    elif dp > 1 and args.grad_sync == "per-tensor":
-        ops += [
-            Collective("allreduce", "dp", f"grad:{name}", math.prod(shape))
-            for name, shape, _ in layout
-        ]
-    ops += [Wait(req) for req in posted]
-    if embed:
-        ops.append(Collective("allreduce", "embed", "grad:wte", wte))
-    ops.append(Compute("optimizer"))
-    return ops
-
-
 def make_job(args, world: int) -> runner.Job:
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
@@ -425,7 +321,6 @@ def make_job(args, world: int) -> runner.Job:
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     parity = args.schedule == "cpp"
-    schedule = SCHEDULES["gpipe" if parity else args.schedule]
     source = None
     if args.data and not args.dry_run:
         try:
@@ -437,33 +332,17 @@ def make_job(args, world: int) -> runner.Job:
     split = split_layers(L, pp)
     act = B * T * cfg.n_embd
 
+    policy = "zero1" if args.zero else args.grad_sync
+    bucket = math.ceil(args.bucket_mb * 2**20 / 4) if buckets else 0  # MiB of float32
+
     def plan(rank: int) -> Plan:
-        c = grid.coords(rank)
-        s = c["pp"]
-        first, last = s == 0, s == pp - 1
-        pp_ranks = grid.group("pp", rank)
-        groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
         if parity:
-            ops = cpp.cpp_ops(cfg, split[s], s, pp_ranks, m, act, dp)
+            c = grid.coords(rank)
+            s = c["pp"]
+            groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
+            ops = cpp.cpp_ops(cfg, split[s], s, groups["pp"], m, act, dp)
             return Plan(rank, tuple(ops), groups, c)
-        fwd = stage_flops(cfg, split[s], last, B, T)
-        actions = schedule(pp, m, s)
-        ops = pipeline_ops(
-            actions,
-            s,
-            pp_ranks,
-            1,
-            act,
-            flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
-        )
-        if pp > 1 and (first or last):
-            groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-        posted = []
-        if buckets and dp > 1:
-            last_mb = [a.mb for a in actions if a.kind == "B"][-1]
-            ops, posted = bucketed_backward(ops, last_mb, cfg, split[s], first, last, args)
-        ops += gradient_sync(cfg, split[s], first, last, pp, dp, args, posted)
-        return Plan(rank, tuple(ops), groups, c)
+        return gpt2_plan(cfg, grid, split, rank, args.schedule, m, B, T, policy, bucket)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]

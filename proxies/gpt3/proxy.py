@@ -28,20 +28,20 @@ import argparse
 import math
 import sys
 from collections import defaultdict
-from functools import lru_cache
 
 import numpy as np
 
 from proxies.core import cli, exits, faults, memory, provenance, report, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
+from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
 from proxies.gpt2.proxy import split_layers
 from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
-from proxies.transformer.layout import Layout, Unit
+from proxies.transformer.layout import Layout
+from proxies.transformer.plan import gpt3_plans
+from proxies.transformer.plan import reductions as _reductions  # the runtime's bucket ranges
 from proxies.transformer.setup import (
     DEFAULT_MODEL,
     PRESETS,
@@ -50,7 +50,6 @@ from proxies.transformer.setup import (
     cpp_device_tflops,
     padded_vocab,
 )
-from proxies.transformer.templates import Templates
 
 PROG = "proxies.gpt3"
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
@@ -354,131 +353,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
 
 
 # ----------------------------------------------------------------------------------------
-# plans
-
-
-def buckets(S: Setup, layout: Layout) -> list[tuple[int, list[Unit]]]:
-    """Gradient buckets in the order they are posted: (chunk, units), consecutive units of one
-    chunk in backward order, closed once they reach S.bucket elements (0: every unit)."""
-    out: list[tuple[int, list[Unit]]] = []
-    current: list[Unit] = []
-    for i, u in enumerate(layout.units):
-        current.append(u)
-        nxt = layout.units[i + 1] if i + 1 < len(layout.units) else None
-        if sum(x.size for x in current) >= S.bucket or nxt is None or nxt.chunk != u.chunk:
-            out.append((u.chunk, current))
-            current = []
-    return out
-
-
-def build_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, tmpl: Templates) -> Plan:
-    c = grid.coords(rank)
-    s = c["pp"]
-    pp_ranks = grid.group("pp", rank)
-    chunks = S.chunks(s)
-    actions = SCHEDULES[schedule](S.pp, S.m, s, S.v)
-    last_mb = {}
-    for a in actions:
-        if a.kind == "B":
-            last_mb[a.chunk] = a.mb
-    layout = Layout(S, s)
-    reductions = _reductions(S, layout)
-    ops: list = []
-    inflight: list[str] = []
-
-    def post(coll: Collective) -> None:
-        if S.inflight and len(inflight) >= S.inflight:
-            ops.append(Wait(inflight.pop(0)))
-        ops.append(coll)
-        inflight.append(coll.req)
-
-    for op in pipeline_ops(actions, s, pp_ranks, S.v, S.act):
-        if not isinstance(op, Compute):
-            ops.append(op)
-            continue
-        ch = chunks[op.chunk]
-        expanded = tmpl.ops(op.name, ch, op.mb)
-        if op.name != "backward" or op.mb != last_mb[op.chunk]:
-            ops.extend(expanded)
-            continue
-        # the last backward of this chunk: post each bucket once its layers are done
-        items = tmpl.backward(ch)
-        finished: set[int] = set()
-        pending = [r for r in reductions if r[0] == op.chunk]
-        for it, o in zip(items, expanded, strict=True):
-            ops.append(o)
-            if it[0] == "C" and it[3]:
-                finished.update(it[3])
-                while pending and all(u.layer in finished for u in pending[0][1]):
-                    for coll in pending.pop(0)[2]:
-                        post(coll)
-    # after the pipeline: complete every bucket, then the tied embedding, the SP grads
-    ops += [Wait(req) for req in inflight]
-    groups = _groups(S, grid, rank)
-    if "embed" in groups:
-        ops.append(Collective("allreduce", "embed", "wte_grad", S.vocab // S.tp * S.cfg.n_embd))
-    if S.sp and layout.sp_size:
-        ops += [
-            Compute("sp_pack"),
-            Collective("allreduce", "tp", "sp_grads", layout.sp_size, category="tp_allreduce"),
-            Compute("sp_unpack"),
-        ]
-    ops.append(Compute("optimizer"))
-    return Plan(rank, tuple(ops), groups, c)
-
-
-def _reductions(S: Setup, layout: Layout) -> list[tuple[int, list[Unit], list[Collective]]]:
-    """Per bucket: (chunk, units, its non-blocking allreduces: dense over dp, experts over
-    edp). The buffer is ("dpgrad" | "edpgrad", bucket index)."""
-    edp = S.dp // S.moe.ep if S.moe else 1
-    out = []
-    for k, (chunk, units) in enumerate(buckets(S, layout)):
-        colls = []
-        dense = sum(u.dense[1] - u.dense[0] for u in units)
-        expert = sum(u.expert[1] - u.expert[0] for u in units)
-        if S.dp > 1 and dense:
-            colls.append(
-                Collective(
-                    "allreduce", "dp", "dpgrad", dense, mb=k, req=f"dp{k}", category="dp_allreduce"
-                )
-            )
-        if edp > 1 and expert:
-            colls.append(
-                Collective(
-                    "allreduce",
-                    "edp",
-                    "edpgrad",
-                    expert,
-                    mb=k,
-                    req=f"edp{k}",
-                    category="edp_allreduce",
-                )
-            )
-        out.append((chunk, units, colls))
-    return out
-
-
-def _groups(S: Setup, grid: ProcessGrid, rank: int) -> dict[str, tuple[int, ...]]:
-    c = grid.coords(rank)
-    pp_ranks = grid.group("pp", rank)
-    groups = {"pp": pp_ranks, "tp": grid.group("tp", rank)}
-    if S.moe:
-        # data parallel = every rank with this (tp, pp): the ep x edp block
-        groups["dp"] = tuple(
-            grid.rank_of(**{**c, "ep": e, "dp": d})
-            for d in range(grid.degree("dp"))
-            for e in range(S.moe.ep)
-        )
-        groups["ep"] = grid.group("ep", rank)
-        groups["edp"] = grid.group("dp", rank)
-    else:
-        groups["dp"] = grid.group("dp", rank)
-    if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only:
-        groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-    return groups
-
-
-# ----------------------------------------------------------------------------------------
 # runtime
 
 
@@ -623,11 +497,7 @@ def make_job(args, world: int) -> runner.Job:
             raise cli.UsageError(str(e)) from None
     elif not args.data:
         source = Synthetic(args.seed, cfg.vocab_size, S.T)
-    tmpl = Templates(S)
-
-    @lru_cache(maxsize=1024)
-    def plan(rank: int) -> Plan:
-        return build_plan(S, grid, rank, schedule, tmpl)
+    plan = gpt3_plans(S, grid, schedule)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]
