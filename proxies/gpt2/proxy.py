@@ -21,10 +21,11 @@ import math
 
 import numpy as np
 
-from proxies.core import cli, memory, runner
+from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan, Span, block_range
 from proxies.gpt2 import cpp
+from proxies.transformer import options
 from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
@@ -34,13 +35,11 @@ from proxies.transformer.config import (
 )
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
 from proxies.transformer.fast import adamw_update
+from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
 from proxies.transformer.plan import gpt2_plan
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
-MAX_TAG_MICROBATCHES = 16383  # pipeline tags stay below 32768, MPI's guaranteed minimum
-DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
-MAX_BUCKET_MB = 1e6  # a bucket past a TiB is one bucket
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,21 +49,7 @@ def parser() -> argparse.ArgumentParser:
         "activations and gradients over MPI, data-parallel gradient allreduce, AdamW. "
         "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
     )
-    p.add_argument(
-        "layers",
-        type=cli.positive_int,
-        nargs="?",
-        metavar="LAYERS",
-        help="transformer layers (default: the preset's depth)",
-    )
-    p.add_argument(
-        "stages",
-        type=cli.positive_int,
-        nargs="?",
-        default=1,
-        metavar="STAGES",
-        help="pipeline stages (default 1); data-parallel degree = world size / STAGES",
-    )
+    options.add_shape(p, "pipeline stages (default 1); data-parallel degree = world size / STAGES")
     p.add_argument(
         "micro_batches",
         type=cli.positive_int,
@@ -120,9 +105,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket-mb",
-        type=cli.number(
-            min=0, max=MAX_BUCKET_MB, what=f"a number >= 0 (MiB, at most {MAX_BUCKET_MB:g})"
-        ),
+        type=options.BUCKET_MB,
         metavar="MB",
         help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
         f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
@@ -137,21 +120,7 @@ def parser() -> argparse.ArgumentParser:
         help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
-    p.add_argument(
-        "--lr",
-        type=cli.learning_rate,
-        default=1e-3,
-        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}] (default 1e-3)",
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=cli.weight_decay,
-        default=0.0,
-        help="AdamW weight decay, in [0, 1] (default 0)",
-    )
-    p.add_argument(
-        "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
-    )
+    options.add_training(p, lr=1e-3, defaults_in_help=True)
     cli.add_common(
         p,
         compute=None,  # resolved in make_job (cpp.resolve): real, or none for --schedule cpp
@@ -159,14 +128,6 @@ def parser() -> argparse.ArgumentParser:
         "mode it allows)",
     )
     return p
-
-
-def split_layers(L: int, pp: int) -> list[range]:
-    """Contiguous layer ranges, sizes differing by at most one; the first L % pp stages take
-    the extra layers (the last stage already carries the LM head). None is dropped."""
-    base, extra = divmod(L, pp)
-    bounds = np.cumsum([0] + [base + (s < extra) for s in range(pp)])
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def stage_params(cfg: GPT2Config, layers: range, first: bool, last: bool) -> int:
@@ -285,24 +246,17 @@ def make_job(args, world: int) -> runner.Job:
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
-    memory.check_layers(L)
-    cfg = cfg.with_layers(L)
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
-    if pp > L:
-        raise cli.UsageError(
-            f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at least one layer"
-        )
-    if world % pp:
-        raise cli.UsageError(
-            f"world size {world} is not a multiple of STAGES = {pp} (the "
-            "data-parallel degree is world size / STAGES)"
-        )
-    if T > cfg.max_seq_len:
-        raise cli.UsageError(
-            f"--seq-len {T} is longer than {args.model}'s context of {cfg.max_seq_len}"
-        )
-    if m > MAX_TAG_MICROBATCHES:
-        raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
+    options.check_shape(
+        model=args.model,
+        layers=L,
+        stages=pp,
+        world=world,
+        seq_len=T,
+        context=cfg.max_seq_len,
+        micro_batches=m,
+    )
+    cfg = cfg.with_layers(L)
     buckets = args.grad_sync == "buckets"
     if args.bucket_mb is not None and not buckets:
         raise cli.UsageError(
@@ -333,7 +287,7 @@ def make_job(args, world: int) -> runner.Job:
     act = B * T * cfg.n_embd
 
     policy = "zero1" if args.zero else args.grad_sync
-    bucket = math.ceil(args.bucket_mb * 2**20 / 4) if buckets else 0  # MiB of float32
+    bucket = options.bucket_elements(args.bucket_mb) if buckets else 0
 
     def plan(rank: int) -> Plan:
         if parity:

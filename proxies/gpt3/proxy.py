@@ -36,8 +36,8 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
-from proxies.gpt2.proxy import split_layers
 from proxies.gpt3.memory import estimate as estimate_memory
+from proxies.transformer import options
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
 from proxies.transformer.layout import Layout
 from proxies.transformer.plan import gpt3_plans
@@ -52,7 +52,6 @@ from proxies.transformer.setup import (
 )
 
 PROG = "proxies.gpt3"
-MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 ORDERS = {"cpp": "pp-tp-ep-dp", "megatron": "tp-ep-dp-pp"}
 
 
@@ -65,21 +64,7 @@ def parser() -> argparse.ArgumentParser:
         "Arguments as the C++ proxy: LAYERS STAGES; DP = world size / (tp * STAGES).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "layers",
-        type=cli.positive_int,
-        nargs="?",
-        metavar="LAYERS",
-        help="transformer layers (default: the preset's depth)",
-    )
-    p.add_argument(
-        "stages",
-        type=cli.positive_int,
-        nargs="?",
-        default=1,
-        metavar="STAGES",
-        help="pipeline stages",
-    )
+    options.add_shape(p, "pipeline stages")
     p.add_argument(
         "--model",
         choices=sorted(PRESETS),
@@ -172,12 +157,19 @@ def parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("gradients and layout")
     g.add_argument(
+        "--bucket-mb",
+        type=options.BUCKET_MB,
+        metavar="MB",
+        help="data-parallel gradient bucket size in MiB of float32 gradients (as gpt2's); "
+        "buckets are whole layers, allreduced as soon as the last micro-batch's backward "
+        "finishes them (default 0: one bucket per layer)",
+    )
+    g.add_argument(
         "--dp-bucket",
         type=cli.nonneg_int,
-        default=0,
         metavar="ELEMENTS",
-        help="data-parallel gradient bucket size; buckets are whole layers, allreduced as soon "
-        "as the last micro-batch's backward finishes them (0: one bucket per layer)",
+        help="the same bucket size in float32 elements (4 bytes each), instead of --bucket-mb "
+        "(default 0: one bucket per layer)",
     )
     g.add_argument(
         "--inflight-buckets",
@@ -200,21 +192,15 @@ def parser() -> argparse.ArgumentParser:
         help="only the transformer layers, no embedding, LM head or loss: the C++ proxy's "
         "pattern (compute model/none only)",
     )
-    p.add_argument(
-        "--lr",
-        type=cli.learning_rate,
-        default=1e-4,
-        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}]",
-    )
-    p.add_argument(
-        "--weight-decay", type=cli.weight_decay, default=0.0, help="AdamW weight decay, in [0, 1]"
-    )
-    p.add_argument(
-        "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
-    )
+    options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
+    tflops = cpp_device_tflops()
     cli.add_common(
         p,
         compute=None,  # resolved per preset in resolve()
+        tflops=tflops,
+        tflops_help=f"achieved device rate for --compute model, in TFLOP/s (default "
+        f"{tflops:.2f}: one 175B layer shard at tp 4 then takes the C++ proxy's A100 times, "
+        "15,915 us forward and 31,830 us backward)",
         compute_help=(
             "real: the NumPy kernels on this rank's tensor-parallel shard; replay: each "
             "compute op timed once with the real kernels, ranks on a node taking turns, then "
@@ -222,24 +208,7 @@ def parser() -> argparse.ArgumentParser:
             "real for gpt3-tiny, model for the other presets)"
         ),
     )
-    tflops = cpp_device_tflops()
-    _default(
-        p,
-        "device_tflops",
-        tflops,
-        f"achieved device rate for --compute model, in TFLOP/s (default {tflops:.2f}: one "
-        "175B layer shard at tp 4 then takes the C++ proxy's A100 times, 15,915 us forward "
-        "and 31,830 us backward)",
-    )
     return p
-
-
-def _default(p: argparse.ArgumentParser, dest: str, value, help: str) -> None:
-    """Change a shared option's default (and its help) for this proxy."""
-    p.set_defaults(**{dest: value})
-    for action in p._actions:
-        if action.dest == dest:
-            action.help = help
 
 
 # ----------------------------------------------------------------------------------------
@@ -250,8 +219,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     """Check the options against each other and the world size; UsageError names the rule."""
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
-    memory.check_layers(L)
-    cfg = cfg.with_layers(L)
     pp, tp, v, B = args.stages, args.tp, args.virtual_stages, args.micro_batch
     T = args.seq_len or cfg.max_seq_len
     m = args.micro_batches or 2 * pp
@@ -260,15 +227,18 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         args.compute = "real" if args.model == "gpt3-tiny" else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
-    if pp > L:
-        raise err(f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at least one layer")
-    if world % (tp * pp):
-        raise err(
-            f"world size {world} is not dp * tp * pp: not a multiple of --tp {tp} x "
-            f"STAGES {pp} = {tp * pp}"
-        )
-    if T > cfg.max_seq_len:
-        raise err(f"--seq-len {T} is longer than {args.model}'s context of {cfg.max_seq_len}")
+    options.check_shape(
+        model=args.model,
+        layers=L,
+        stages=pp,
+        world=world,
+        seq_len=T,
+        context=cfg.max_seq_len,
+        micro_batches=m,
+        tp=tp,
+        virtual=v,
+    )
+    cfg = cfg.with_layers(L)
     schedule = args.schedule
     if v > 1:
         if schedule == "gpipe":
@@ -285,11 +255,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         raise err(
             f"the interleaved schedule needs --micro-batches ({m}) to be a multiple of "
             f"STAGES = {pp}"
-        )
-    if m * v > MAX_TAG_MICROBATCHES:
-        raise err(
-            f"--micro-batches {m} x --virtual-stages {v}: at most {MAX_TAG_MICROBATCHES} "
-            "(message tags)"
         )
     sp = args.sequence_parallel and tp > 1
     if sp and T % tp:
@@ -321,7 +286,13 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         per = L // (pp * v)
         split = tuple(range(i * per, (i + 1) * per) for i in range(pp * v))
     else:
-        split = tuple(split_layers(L, pp))
+        split = tuple(options.split_layers(L, pp))
+    if args.bucket_mb is not None and args.dp_bucket is not None:
+        raise err("--bucket-mb and --dp-bucket are one size in two units: give one")
+    if args.bucket_mb is not None:
+        bucket = options.bucket_elements(args.bucket_mb)
+    else:
+        bucket = args.dp_bucket or 0
     vocab = padded_vocab(cfg.vocab_size, tp, args.make_vocab_size_divisible_by)
     S = Setup(
         cfg,
@@ -336,7 +307,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         vocab,
         split,
         moe,
-        args.dp_bucket,
+        bucket,
         args.inflight_buckets,
         args.layers_only,
     )
@@ -568,7 +539,7 @@ def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:
         "schedule": schedule,
         "order": grid.order,
         "global_batch": S.B * S.m * S.dp,
-        "dp_bucket": S.bucket,
+        "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
         "compute": args.compute,
