@@ -489,15 +489,15 @@ def make_job(args, world: int) -> runner.Job:
     header = header_lines(args, S, grid, schedule, source)
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
     job = runner.Job(
-        PROG,
-        "gpt3",
-        config,
-        grid,
-        plan,
-        groups,
-        label,
-        header,
-        runtime,
+        prog=PROG,
+        proxy="gpt3",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=groups,
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
