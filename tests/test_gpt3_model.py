@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from proxies.core.plan import Collective, Compute, Wait
-from proxies.gpt3.proxy import Templates, make_job, parser
+from proxies.gpt3.proxy import make_job, parser
 from proxies.transformer.data import Synthetic, batch
 from proxies.transformer.layout import Layout, shard
 from proxies.transformer.model import StageShard
+from proxies.transformer.plan import Piece, Pieces
 from proxies.transformer.setup import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
 from proxies.transformer.stage_model import StageModel
 
@@ -171,16 +172,16 @@ def test_moe_gradients_match_finite_differences():
     model.eparams += 0.3 * rng.standard_normal(model.eparams.size)
     tokens, targets = rng.integers(0, 40, (2, 6)), rng.integers(0, 40, (2, 6))
     model.batch = lambda mb: (tokens, targets)
-    tmpl, ch = Templates(S), S.chunks(0)[0]
+    tmpl, ch = Pieces(S), S.chunks(0)[0]
 
     def forward() -> float:
-        pieces = [it[1] for it in tmpl.forward(ch) if it[0] == "C"]
+        pieces = [it.name for it in tmpl.forward(ch) if isinstance(it, Piece)]
         return [model.compute(name, 0, 0) for name in pieces][-1]  # fwd_loss is last
 
     forward()
     for it in tmpl.backward(ch):
-        if it[0] == "C":
-            model.compute(it[1], 0, 0)
+        if isinstance(it, Piece):
+            model.compute(it.name, 0, 0)
     lay = Layout(S, 0)
     picks = [
         ("dense", o + i) for n, s, o in lay.dense for i in (0, 7) if "gate" in n or "c_attn" in n
@@ -245,12 +246,12 @@ def _lockstep(S: Setup, models: list, items: list) -> float | None:
     """Run template items on the TP ranks of one stage (ep = dp = 1), collectives emulated."""
     loss = None
     for it in items:
-        if it[0] == "C":
+        if isinstance(it, Piece):
             for m in models:
-                out = m.compute(it[1], 0, 0)
+                out = m.compute(it.name, 0, 0)
             loss = out if out is not None else loss
         else:
-            _, kind, group, buf, count, _ = it
+            kind, group, buf, count = it.kind, it.group, it.buf, it.count
             assert group == "tp", it
             names = {"tp": "tp_buf", "ce": "ce_buf", "moe_tp": "moe_all", "sp_grads": "sp_buf"}
             emulate_collective(
@@ -276,7 +277,7 @@ def test_moe_sequence_parallel_gradients_match_finite_differences():
     tokens, targets = rng.integers(0, 40, (2, 6)), rng.integers(0, 40, (2, 6))
     for m in models:
         m.batch = lambda mb: (tokens, targets)
-    tmpl, ch = Templates(S), S.chunks(0)[0]
+    tmpl, ch = Pieces(S), S.chunks(0)[0]
 
     def forward() -> float:
         return _lockstep(S, models, tmpl.forward(ch))

@@ -83,6 +83,7 @@ ACCEPTED: dict[tuple[str, str], dict[str, float]] = {
     ("proxies.gpt3", "--weight-decay"): ZERO,
     ("proxies.gpt3", "--capacity-factor"): {"2.5": 2.5},
     ("proxies.gpt3", "--moe-experts"): ZERO,
+    ("proxies.gpt3", "--bucket-mb"): {"0": 0, "2.5": 2.5},
     ("proxies.gpt3", "--dp-bucket"): ZERO,
     ("proxies.gpt3", "--inflight-buckets"): ZERO,
     ("proxies.cosmoflow", "--momentum"): ZERO,

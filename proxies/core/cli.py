@@ -290,9 +290,12 @@ def add_common(
     warmup: int = 2,
     compute: str | None = "real",
     compute_help: str = COMPUTE_HELP,
+    tflops: float = 150.0,
+    tflops_help: str = "",
 ) -> None:
     """The shared options. `compute=None` leaves the mode for the proxy to resolve (e.g.
-    per preset); `compute_help` then says how, with the default."""
+    per preset); `compute_help` then says how, with the default. A proxy with its own
+    --device-tflops default passes it with the help that explains it."""
     g = p.add_argument_group("common proxy options")
     g.add_argument(
         "--iters",
@@ -316,9 +319,10 @@ def add_common(
         "--device-tflops",
         type=device_tflops,
         action=_Given,
-        default=150.0,
+        default=tflops,
         metavar="TFLOPS",
-        help="achieved device rate for --compute model, in TFLOP/s, from "
+        help=tflops_help
+        or "achieved device rate for --compute model, in TFLOP/s, from "
         f"{TFLOPS_MIN:g} to {TFLOPS_MAX:g} (default 150: about half an A100's 312 bf16 peak)",
     )
     g.add_argument(

@@ -266,7 +266,7 @@ def op_rows(op) -> list[tuple[str, ...]]:
                 )
         return rows
     if isinstance(op, Collective):
-        return [(op.kind, op.group, "", op.buf, f"{op.count:,}", f"{op.nbytes:,}", "")]
+        return [(op.kind, op.group, "", str(op.buf), f"{op.count:,}", f"{op.nbytes:,}", "")]
     return [(describe(op), "", "", "", "", "", "")]
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from proxies.core import cli
 from proxies.core.pipeline import BACKWARD, FORWARD, p2p_batch, p2p_tag
-from proxies.core.plan import Collective, Msg, Op
+from proxies.core.plan import Collective, Msg, Op, Span
 from proxies.transformer.config import GPT2Config
 
 PRESET = "dnn-cpp-proxies"  # --model: the C++ proxy's sizes, as cosmoflow's and dlrm's
@@ -67,7 +67,7 @@ def cpp_ops(
     """One iteration of one rank, as run_pipeline in gpt2_large.cpp (see the module doc).
 
     Buffers: "act_out"/"act_in"/"grad_in"/"grad_out" per micro-batch as the pipeline's
-    (proxies.core.pipeline), and "grads:LO:HI" for the allreduces: consecutive ranges of the
+    (proxies.core.pipeline), and Span("grads", LO, HI) for the allreduces: consecutive ranges of the
     stage's flat gradient buffer, whose size equals the sum of the messages, so the runtime
     of --compute none serves them unchanged."""
     pp = len(pp_ranks)
@@ -88,7 +88,7 @@ def cpp_ops(
     if dp > 1:
         lo = 0
         for count in layer_messages(cfg, layers, first, last):
-            ops.append(Collective("allreduce", "dp", f"grads:{lo}:{lo + count}", count))
+            ops.append(Collective("allreduce", "dp", Span("grads", lo, lo + count), count))
             lo += count
     return ops
 

@@ -18,32 +18,28 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import defaultdict
 
 import numpy as np
 
-from proxies.core import cli, memory, runner
+from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
-from proxies.core.schedules import SCHEDULES
+from proxies.core.plan import Compute, Plan, Span, block_range
 from proxies.gpt2 import cpp
+from proxies.transformer import options
 from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
     backward_pieces,
     layout_size,
-    stage_flops,
     stage_layout,
 )
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
 from proxies.transformer.fast import adamw_update
+from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
+from proxies.transformer.plan import gpt2_plan
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
-MAX_TAG_MICROBATCHES = 16383  # pipeline tags stay below 32768, MPI's guaranteed minimum
-DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
-MAX_BUCKET_MB = 1e6  # a bucket past a TiB is one bucket
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,21 +49,7 @@ def parser() -> argparse.ArgumentParser:
         "activations and gradients over MPI, data-parallel gradient allreduce, AdamW. "
         "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
     )
-    p.add_argument(
-        "layers",
-        type=cli.positive_int,
-        nargs="?",
-        metavar="LAYERS",
-        help="transformer layers (default: the preset's depth)",
-    )
-    p.add_argument(
-        "stages",
-        type=cli.positive_int,
-        nargs="?",
-        default=1,
-        metavar="STAGES",
-        help="pipeline stages (default 1); data-parallel degree = world size / STAGES",
-    )
+    options.add_shape(p, "pipeline stages (default 1); data-parallel degree = world size / STAGES")
     p.add_argument(
         "micro_batches",
         type=cli.positive_int,
@@ -123,9 +105,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket-mb",
-        type=cli.number(
-            min=0, max=MAX_BUCKET_MB, what=f"a number >= 0 (MiB, at most {MAX_BUCKET_MB:g})"
-        ),
+        type=options.BUCKET_MB,
         metavar="MB",
         help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
         f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
@@ -140,21 +120,7 @@ def parser() -> argparse.ArgumentParser:
         help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
-    p.add_argument(
-        "--lr",
-        type=cli.learning_rate,
-        default=1e-3,
-        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}] (default 1e-3)",
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=cli.weight_decay,
-        default=0.0,
-        help="AdamW weight decay, in [0, 1] (default 0)",
-    )
-    p.add_argument(
-        "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
-    )
+    options.add_training(p, lr=1e-3, defaults_in_help=True)
     cli.add_common(
         p,
         compute=None,  # resolved in make_job (cpp.resolve): real, or none for --schedule cpp
@@ -162,14 +128,6 @@ def parser() -> argparse.ArgumentParser:
         "mode it allows)",
     )
     return p
-
-
-def split_layers(L: int, pp: int) -> list[range]:
-    """Contiguous layer ranges, sizes differing by at most one; the first L % pp stages take
-    the extra layers (the last stage already carries the LM head). None is dropped."""
-    base, extra = divmod(L, pp)
-    bounds = np.cumsum([0] + [base + (s < extra) for s in range(pp)])
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def stage_params(cfg: GPT2Config, layers: range, first: bool, last: bool) -> int:
@@ -226,14 +184,13 @@ class GPT2Runtime:
         self.loss_sum, self.loss_count = 0.0, 0
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        if isinstance(name, Span):  # a bucket: a flat range of the gradients
+            return self.grads[name.lo : name.hi]
         if name in ("grads", "params"):
             return self.grads if name == "grads" else self.params
         if name.startswith("grad:"):  # one parameter tensor's gradient, e.g. "grad:wte"
             offset, size = self.layout[name[5:]]
             return self.grads[offset : offset + size]
-        if name.startswith("grads:"):  # a bucket: a flat range, "grads:LO:HI"
-            lo, hi = map(int, name.split(":")[1:])
-            return self.grads[lo:hi]
         buf = self.bufs.get((name, mb))
         if buf is None:
             buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
@@ -285,128 +242,21 @@ class GPT2Runtime:
         return out
 
 
-def merge_ranges(ranges) -> list[tuple[int, int]]:
-    """Sorted [lo, hi) ranges with adjacent ones joined."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def grad_buckets(pieces, min_count: float) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Gradient buckets in posting order: (index of the piece that completes it, its flat
-    ranges). A bucket is a run of consecutive backward pieces (config.backward_pieces),
-    closed once it holds min_count elements (0: every piece) or at the last piece."""
-    out, ranges = [], []
-    for i, (_, rs) in enumerate(pieces):
-        ranges += rs
-        if sum(hi - lo for lo, hi in ranges) >= min_count or i == len(pieces) - 1:
-            out.append((i, merge_ranges(ranges)))
-            ranges = []
-    return out
-
-
-def bucketed_backward(
-    ops: list, last_mb: int, cfg: GPT2Config, layers: range, first: bool, last: bool, args
-) -> tuple[list, list[str]]:
-    """`ops` with micro-batch last_mb's backward cut into its pieces, each followed by the
-    non-blocking data-parallel allreduces of the buckets it completes (one per contiguous
-    range of the flat buffer); and the requests, for gradient_sync to wait for.
-
-    Each piece's flops are twice its forward's (the LM head's, a layer's; the encoder's
-    none), so the pieces add up to the unsplit backward."""
-    B, T = args.micro_batch, args.seq_len
-    pieces = backward_pieces(cfg, layers, first, last)
-    flops = {"head": 2 * stage_flops(cfg, range(0), True, B, T), "embed": 0.0}
-    layer = 2 * stage_flops(cfg, range(1), False, B, T)
-    posts: dict[int, list[Collective]] = defaultdict(list)
-    reqs: list[str] = []
-    for i, ranges in grad_buckets(pieces, args.bucket_mb * 2**20 / 4):
-        for lo, hi in ranges:
-            reqs.append(f"dp{len(reqs)}")
-            coll = Collective("allreduce", "dp", f"grads:{lo}:{hi}", hi - lo, req=reqs[-1])
-            posts[i].append(coll)
-    out = []
-    for op in ops:
-        if not (isinstance(op, Compute) and op.name == "backward" and op.mb == last_mb):
-            out.append(op)
-            continue
-        for i, (name, _) in enumerate(pieces):
-            out.append(Compute(f"backward:{name}", op.mb, op.chunk, flops.get(name, layer)))
-            out += posts[i]
-    return out, reqs
-
-
-def gradient_sync(
-    cfg: GPT2Config,
-    layers: range,
-    first: bool,
-    last: bool,
-    pp: int,
-    dp: int,
-    args,
-    posted: tuple[str, ...] | list[str] = (),
-) -> list:
-    """The end of an iteration: gradients summed over data-parallel replicas, the tied
-    embedding's between the first and last stage (Megatron's embedding group), AdamW.
-
-    fused: one allreduce of the stage's flat gradient buffer (DP first, then embedding, as
-    Megatron). per-tensor: one allreduce per parameter tensor. buckets: wait for the
-    allreduces `posted` during the last backward (bucketed_backward). ZeRO-1: embedding
-    allreduce first (the shards split wte), reduce-scatter, AdamW on the shard, allgather
-    parameters.
-    """
-    layout = stage_layout(cfg, layers, first, last)
-    n = layout_size(layout)
-    embed = pp > 1 and (first or last)
-    wte = cfg.vocab_size * cfg.n_embd
-    ops = []
-    if args.zero and dp > 1:
-        if embed:
-            ops.append(Collective("allreduce", "embed", "grad:wte", wte))
-        ops.append(Collective("reduce_scatter", "dp", "grads", n))
-        ops.append(Compute("optimizer"))
-        ops.append(Collective("allgather", "dp", "params", n))
-        return ops
-    if dp > 1 and args.grad_sync == "fused":
-        ops.append(Collective("allreduce", "dp", "grads", n))
-    elif dp > 1 and args.grad_sync == "per-tensor":
-        ops += [
-            Collective("allreduce", "dp", f"grad:{name}", math.prod(shape))
-            for name, shape, _ in layout
-        ]
-    ops += [Wait(req) for req in posted]
-    if embed:
-        ops.append(Collective("allreduce", "embed", "grad:wte", wte))
-    ops.append(Compute("optimizer"))
-    return ops
-
-
 def make_job(args, world: int) -> runner.Job:
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
-    memory.check_layers(L)
-    cfg = cfg.with_layers(L)
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
-    if pp > L:
-        raise cli.UsageError(
-            f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at least one layer"
-        )
-    if world % pp:
-        raise cli.UsageError(
-            f"world size {world} is not a multiple of STAGES = {pp} (the "
-            "data-parallel degree is world size / STAGES)"
-        )
-    if T > cfg.max_seq_len:
-        raise cli.UsageError(
-            f"--seq-len {T} is longer than {args.model}'s context of {cfg.max_seq_len}"
-        )
-    if m > MAX_TAG_MICROBATCHES:
-        raise cli.UsageError(f"MICROBATCHES = {m}: at most {MAX_TAG_MICROBATCHES} (message tags)")
+    options.check_shape(
+        model=args.model,
+        layers=L,
+        stages=pp,
+        world=world,
+        seq_len=T,
+        context=cfg.max_seq_len,
+        micro_batches=m,
+    )
+    cfg = cfg.with_layers(L)
     buckets = args.grad_sync == "buckets"
     if args.bucket_mb is not None and not buckets:
         raise cli.UsageError(
@@ -425,7 +275,6 @@ def make_job(args, world: int) -> runner.Job:
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     parity = args.schedule == "cpp"
-    schedule = SCHEDULES["gpipe" if parity else args.schedule]
     source = None
     if args.data and not args.dry_run:
         try:
@@ -437,33 +286,17 @@ def make_job(args, world: int) -> runner.Job:
     split = split_layers(L, pp)
     act = B * T * cfg.n_embd
 
+    policy = "zero1" if args.zero else args.grad_sync
+    bucket = options.bucket_elements(args.bucket_mb) if buckets else 0
+
     def plan(rank: int) -> Plan:
-        c = grid.coords(rank)
-        s = c["pp"]
-        first, last = s == 0, s == pp - 1
-        pp_ranks = grid.group("pp", rank)
-        groups = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
         if parity:
-            ops = cpp.cpp_ops(cfg, split[s], s, pp_ranks, m, act, dp)
+            c = grid.coords(rank)
+            s = c["pp"]
+            groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
+            ops = cpp.cpp_ops(cfg, split[s], s, groups["pp"], m, act, dp)
             return Plan(rank, tuple(ops), groups, c)
-        fwd = stage_flops(cfg, split[s], last, B, T)
-        actions = schedule(pp, m, s)
-        ops = pipeline_ops(
-            actions,
-            s,
-            pp_ranks,
-            1,
-            act,
-            flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
-        )
-        if pp > 1 and (first or last):
-            groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-        posted = []
-        if buckets and dp > 1:
-            last_mb = [a.mb for a in actions if a.kind == "B"][-1]
-            ops, posted = bucketed_backward(ops, last_mb, cfg, split[s], first, last, args)
-        ops += gradient_sync(cfg, split[s], first, last, pp, dp, args, posted)
-        return Plan(rank, tuple(ops), groups, c)
+        return gpt2_plan(cfg, grid, split, rank, args.schedule, m, B, T, policy, bucket)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]
@@ -528,15 +361,15 @@ def make_job(args, world: int) -> runner.Job:
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
     job = runner.Job(
-        PROG,
-        "gpt2",
-        config,
-        grid,
-        plan,
-        ("pp", "dp", "embed"),
-        label,
-        header,
-        runtime,
+        prog=PROG,
+        proxy="gpt2",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=("pp", "dp", "embed"),
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
     )

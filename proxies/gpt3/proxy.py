@@ -28,20 +28,20 @@ import argparse
 import math
 import sys
 from collections import defaultdict
-from functools import lru_cache
 
 import numpy as np
 
 from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
+from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
-from proxies.gpt2.proxy import split_layers
 from proxies.gpt3.memory import estimate as estimate_memory
+from proxies.transformer import options
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
-from proxies.transformer.layout import Layout, Unit
+from proxies.transformer.layout import Layout
+from proxies.transformer.plan import gpt3_plans
+from proxies.transformer.plan import reductions as _reductions  # the runtime's bucket ranges
 from proxies.transformer.setup import (
     DEFAULT_MODEL,
     PRESETS,
@@ -50,10 +50,8 @@ from proxies.transformer.setup import (
     cpp_device_tflops,
     padded_vocab,
 )
-from proxies.transformer.templates import Templates
 
 PROG = "proxies.gpt3"
-MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 ORDERS = {"cpp": "pp-tp-ep-dp", "megatron": "tp-ep-dp-pp"}
 
 
@@ -66,21 +64,7 @@ def parser() -> argparse.ArgumentParser:
         "Arguments as the C++ proxy: LAYERS STAGES; DP = world size / (tp * STAGES).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "layers",
-        type=cli.positive_int,
-        nargs="?",
-        metavar="LAYERS",
-        help="transformer layers (default: the preset's depth)",
-    )
-    p.add_argument(
-        "stages",
-        type=cli.positive_int,
-        nargs="?",
-        default=1,
-        metavar="STAGES",
-        help="pipeline stages",
-    )
+    options.add_shape(p, "pipeline stages")
     p.add_argument(
         "--model",
         choices=sorted(PRESETS),
@@ -173,12 +157,19 @@ def parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("gradients and layout")
     g.add_argument(
+        "--bucket-mb",
+        type=options.BUCKET_MB,
+        metavar="MB",
+        help="data-parallel gradient bucket size in MiB of float32 gradients (as gpt2's); "
+        "buckets are whole layers, allreduced as soon as the last micro-batch's backward "
+        "finishes them (default 0: one bucket per layer)",
+    )
+    g.add_argument(
         "--dp-bucket",
         type=cli.nonneg_int,
-        default=0,
         metavar="ELEMENTS",
-        help="data-parallel gradient bucket size; buckets are whole layers, allreduced as soon "
-        "as the last micro-batch's backward finishes them (0: one bucket per layer)",
+        help="the same bucket size in float32 elements (4 bytes each), instead of --bucket-mb "
+        "(default 0: one bucket per layer)",
     )
     g.add_argument(
         "--inflight-buckets",
@@ -201,21 +192,15 @@ def parser() -> argparse.ArgumentParser:
         help="only the transformer layers, no embedding, LM head or loss: the C++ proxy's "
         "pattern (compute model/none only)",
     )
-    p.add_argument(
-        "--lr",
-        type=cli.learning_rate,
-        default=1e-4,
-        help=f"AdamW learning rate, in (0, {cli.LR_MAX:g}]",
-    )
-    p.add_argument(
-        "--weight-decay", type=cli.weight_decay, default=0.0, help="AdamW weight decay, in [0, 1]"
-    )
-    p.add_argument(
-        "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
-    )
+    options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
+    tflops = cpp_device_tflops()
     cli.add_common(
         p,
         compute=None,  # resolved per preset in resolve()
+        tflops=tflops,
+        tflops_help=f"achieved device rate for --compute model, in TFLOP/s (default "
+        f"{tflops:.2f}: one 175B layer shard at tp 4 then takes the C++ proxy's A100 times, "
+        "15,915 us forward and 31,830 us backward)",
         compute_help=(
             "real: the NumPy kernels on this rank's tensor-parallel shard; replay: each "
             "compute op timed once with the real kernels, ranks on a node taking turns, then "
@@ -223,24 +208,7 @@ def parser() -> argparse.ArgumentParser:
             "real for gpt3-tiny, model for the other presets)"
         ),
     )
-    tflops = cpp_device_tflops()
-    _default(
-        p,
-        "device_tflops",
-        tflops,
-        f"achieved device rate for --compute model, in TFLOP/s (default {tflops:.2f}: one "
-        "175B layer shard at tp 4 then takes the C++ proxy's A100 times, 15,915 us forward "
-        "and 31,830 us backward)",
-    )
     return p
-
-
-def _default(p: argparse.ArgumentParser, dest: str, value, help: str) -> None:
-    """Change a shared option's default (and its help) for this proxy."""
-    p.set_defaults(**{dest: value})
-    for action in p._actions:
-        if action.dest == dest:
-            action.help = help
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,8 +219,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     """Check the options against each other and the world size; UsageError names the rule."""
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
-    memory.check_layers(L)
-    cfg = cfg.with_layers(L)
     pp, tp, v, B = args.stages, args.tp, args.virtual_stages, args.micro_batch
     T = args.seq_len or cfg.max_seq_len
     m = args.micro_batches or 2 * pp
@@ -261,15 +227,18 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         args.compute = "real" if args.model == "gpt3-tiny" else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
-    if pp > L:
-        raise err(f"STAGES = {pp} is more than LAYERS = {L}: every stage needs at least one layer")
-    if world % (tp * pp):
-        raise err(
-            f"world size {world} is not dp * tp * pp: not a multiple of --tp {tp} x "
-            f"STAGES {pp} = {tp * pp}"
-        )
-    if T > cfg.max_seq_len:
-        raise err(f"--seq-len {T} is longer than {args.model}'s context of {cfg.max_seq_len}")
+    options.check_shape(
+        model=args.model,
+        layers=L,
+        stages=pp,
+        world=world,
+        seq_len=T,
+        context=cfg.max_seq_len,
+        micro_batches=m,
+        tp=tp,
+        virtual=v,
+    )
+    cfg = cfg.with_layers(L)
     schedule = args.schedule
     if v > 1:
         if schedule == "gpipe":
@@ -286,11 +255,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         raise err(
             f"the interleaved schedule needs --micro-batches ({m}) to be a multiple of "
             f"STAGES = {pp}"
-        )
-    if m * v > MAX_TAG_MICROBATCHES:
-        raise err(
-            f"--micro-batches {m} x --virtual-stages {v}: at most {MAX_TAG_MICROBATCHES} "
-            "(message tags)"
         )
     sp = args.sequence_parallel and tp > 1
     if sp and T % tp:
@@ -322,7 +286,13 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         per = L // (pp * v)
         split = tuple(range(i * per, (i + 1) * per) for i in range(pp * v))
     else:
-        split = tuple(split_layers(L, pp))
+        split = tuple(options.split_layers(L, pp))
+    if args.bucket_mb is not None and args.dp_bucket is not None:
+        raise err("--bucket-mb and --dp-bucket are one size in two units: give one")
+    if args.bucket_mb is not None:
+        bucket = options.bucket_elements(args.bucket_mb)
+    else:
+        bucket = args.dp_bucket or 0
     vocab = padded_vocab(cfg.vocab_size, tp, args.make_vocab_size_divisible_by)
     S = Setup(
         cfg,
@@ -337,7 +307,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         vocab,
         split,
         moe,
-        args.dp_bucket,
+        bucket,
         args.inflight_buckets,
         args.layers_only,
     )
@@ -351,131 +321,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     except ValueError as e:
         raise err(str(e)) from None
     return S, grid, {"schedule": schedule}
-
-
-# ----------------------------------------------------------------------------------------
-# plans
-
-
-def buckets(S: Setup, layout: Layout) -> list[tuple[int, list[Unit]]]:
-    """Gradient buckets in the order they are posted: (chunk, units), consecutive units of one
-    chunk in backward order, closed once they reach S.bucket elements (0: every unit)."""
-    out: list[tuple[int, list[Unit]]] = []
-    current: list[Unit] = []
-    for i, u in enumerate(layout.units):
-        current.append(u)
-        nxt = layout.units[i + 1] if i + 1 < len(layout.units) else None
-        if sum(x.size for x in current) >= S.bucket or nxt is None or nxt.chunk != u.chunk:
-            out.append((u.chunk, current))
-            current = []
-    return out
-
-
-def build_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, tmpl: Templates) -> Plan:
-    c = grid.coords(rank)
-    s = c["pp"]
-    pp_ranks = grid.group("pp", rank)
-    chunks = S.chunks(s)
-    actions = SCHEDULES[schedule](S.pp, S.m, s, S.v)
-    last_mb = {}
-    for a in actions:
-        if a.kind == "B":
-            last_mb[a.chunk] = a.mb
-    layout = Layout(S, s)
-    reductions = _reductions(S, layout)
-    ops: list = []
-    inflight: list[str] = []
-
-    def post(coll: Collective) -> None:
-        if S.inflight and len(inflight) >= S.inflight:
-            ops.append(Wait(inflight.pop(0)))
-        ops.append(coll)
-        inflight.append(coll.req)
-
-    for op in pipeline_ops(actions, s, pp_ranks, S.v, S.act):
-        if not isinstance(op, Compute):
-            ops.append(op)
-            continue
-        ch = chunks[op.chunk]
-        expanded = tmpl.ops(op.name, ch, op.mb)
-        if op.name != "backward" or op.mb != last_mb[op.chunk]:
-            ops.extend(expanded)
-            continue
-        # the last backward of this chunk: post each bucket once its layers are done
-        items = tmpl.backward(ch)
-        finished: set[int] = set()
-        pending = [r for r in reductions if r[0] == op.chunk]
-        for it, o in zip(items, expanded, strict=True):
-            ops.append(o)
-            if it[0] == "C" and it[3]:
-                finished.update(it[3])
-                while pending and all(u.layer in finished for u in pending[0][1]):
-                    for coll in pending.pop(0)[2]:
-                        post(coll)
-    # after the pipeline: complete every bucket, then the tied embedding, the SP grads
-    ops += [Wait(req) for req in inflight]
-    groups = _groups(S, grid, rank)
-    if "embed" in groups:
-        ops.append(Collective("allreduce", "embed", "wte_grad", S.vocab // S.tp * S.cfg.n_embd))
-    if S.sp and layout.sp_size:
-        ops += [
-            Compute("sp_pack"),
-            Collective("allreduce", "tp", "sp_grads", layout.sp_size, category="tp_allreduce"),
-            Compute("sp_unpack"),
-        ]
-    ops.append(Compute("optimizer"))
-    return Plan(rank, tuple(ops), groups, c)
-
-
-def _reductions(S: Setup, layout: Layout) -> list[tuple[int, list[Unit], list[Collective]]]:
-    """Per bucket: (chunk, units, its non-blocking allreduces: dense over dp, experts over
-    edp). The buffer is ("dpgrad" | "edpgrad", bucket index)."""
-    edp = S.dp // S.moe.ep if S.moe else 1
-    out = []
-    for k, (chunk, units) in enumerate(buckets(S, layout)):
-        colls = []
-        dense = sum(u.dense[1] - u.dense[0] for u in units)
-        expert = sum(u.expert[1] - u.expert[0] for u in units)
-        if S.dp > 1 and dense:
-            colls.append(
-                Collective(
-                    "allreduce", "dp", "dpgrad", dense, mb=k, req=f"dp{k}", category="dp_allreduce"
-                )
-            )
-        if edp > 1 and expert:
-            colls.append(
-                Collective(
-                    "allreduce",
-                    "edp",
-                    "edpgrad",
-                    expert,
-                    mb=k,
-                    req=f"edp{k}",
-                    category="edp_allreduce",
-                )
-            )
-        out.append((chunk, units, colls))
-    return out
-
-
-def _groups(S: Setup, grid: ProcessGrid, rank: int) -> dict[str, tuple[int, ...]]:
-    c = grid.coords(rank)
-    pp_ranks = grid.group("pp", rank)
-    groups = {"pp": pp_ranks, "tp": grid.group("tp", rank)}
-    if S.moe:
-        # data parallel = every rank with this (tp, pp): the ep x edp block
-        groups["dp"] = tuple(
-            grid.rank_of(**{**c, "ep": e, "dp": d})
-            for d in range(grid.degree("dp"))
-            for e in range(S.moe.ep)
-        )
-        groups["ep"] = grid.group("ep", rank)
-        groups["edp"] = grid.group("dp", rank)
-    else:
-        groups["dp"] = grid.group("dp", rank)
-    if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only:
-        groups["embed"] = (pp_ranks[0], pp_ranks[-1])
-    return groups
 
 
 # ----------------------------------------------------------------------------------------
@@ -623,11 +468,7 @@ def make_job(args, world: int) -> runner.Job:
             raise cli.UsageError(str(e)) from None
     elif not args.data:
         source = Synthetic(args.seed, cfg.vocab_size, S.T)
-    tmpl = Templates(S)
-
-    @lru_cache(maxsize=1024)
-    def plan(rank: int) -> Plan:
-        return build_plan(S, grid, rank, schedule, tmpl)
+    plan = gpt3_plans(S, grid, schedule)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]
@@ -648,15 +489,15 @@ def make_job(args, world: int) -> runner.Job:
     header = header_lines(args, S, grid, schedule, source)
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
     job = runner.Job(
-        PROG,
-        "gpt3",
-        config,
-        grid,
-        plan,
-        groups,
-        label,
-        header,
-        runtime,
+        prog=PROG,
+        proxy="gpt3",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=groups,
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
@@ -699,7 +540,7 @@ def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:
         "schedule": schedule,
         "order": grid.order,
         "global_batch": S.B * S.m * S.dp,
-        "dp_bucket": S.bucket,
+        "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
         "compute": args.compute,
