@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from proxies.core import cli, memory, runner
+from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
