@@ -27,7 +27,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Plan, Wait, block_range
 from proxies.core.schedules import SCHEDULES
-from proxies.gpt2 import cpp
+from proxies.gpt2 import SPEC, cpp
 from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
@@ -527,21 +527,22 @@ def make_job(args, world: int) -> runner.Job:
         + (source.describe() if source is not None else args.data or "none")
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
-    job = runner.Job(
-        PROG,
-        "gpt2",
-        config,
-        grid,
-        plan,
-        ("pp", "dp", "embed"),
-        label,
-        header,
-        runtime,
+    return runner.Job(
+        prog=PROG,
+        proxy="gpt2",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=("pp", "dp", "embed"),
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
+        memory=lambda rank, plan: estimate_memory(cfg, split, grid, args, lambda _: plan, rank),
+        categories=SPEC.categories,
+        short=SPEC.short,
     )
-    job.memory = lambda rank: estimate_memory(cfg, split, grid, args, job.plan, rank)
-    return job
 
 
 def estimate_memory(cfg, split, grid, args, plan, rank: int) -> dict[str, int]:

@@ -39,6 +39,7 @@ from proxies.core.plan import P2P, Collective, Compute, Plan, Wait
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
 from proxies.gpt2.proxy import split_layers
+from proxies.gpt3 import SPEC
 from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
 from proxies.transformer.layout import Layout, Unit
@@ -647,28 +648,29 @@ def make_job(args, world: int) -> runner.Job:
     config = config_dict(args, S, grid, schedule)
     header = header_lines(args, S, grid, schedule, source)
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
-    job = runner.Job(
-        PROG,
-        "gpt3",
-        config,
-        grid,
-        plan,
-        groups,
-        label,
-        header,
-        runtime,
+    return runner.Job(
+        prog=PROG,
+        proxy="gpt3",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=groups,
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
         fp32_buffers=frozenset({"ce"}),
         # tensor-parallel shards and data-parallel replicas run the same plan op for op
         fold=("tp", "dp"),
+        setup=S,  # for the dry run
+        memory=lambda rank, plan: estimate_memory(
+            S, grid.coords(rank)["pp"], schedule, args.compute, plan
+        ),
+        categories=SPEC.categories,
+        short=SPEC.short,
     )
-    job.setup = S  # for the dry run
-    job.memory = lambda rank: estimate_memory(
-        S, grid.coords(rank)["pp"], schedule, args.compute, job.plan(rank)
-    )
-    return job
 
 
 def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:

@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from proxies.collectives import hier, steps
-from proxies.collectives.common import Wait, bounds, flat, waitall, words
-from proxies.collectives.program import execute
+from proxies.core.collectives import hier, steps
+from proxies.core.collectives.common import Wait, bounds, flat, waitall, words
+from proxies.core.collectives.program import execute
 from proxies.core.wire import sum_op
 
 
@@ -88,6 +88,8 @@ ALGORITHMS: dict[str, Callable[..., None]] = {
     **{alg: _ours("allreduce", alg) for alg in steps.algorithms("allreduce")},
     "mpi": mpi_allreduce,
 }
+# The names --allreduce accepts (core/cli.py): MPI's own, the default, first.
+ALLREDUCE_NAMES: tuple[str, ...] = ("mpi", *steps.algorithms("allreduce"))
 
 
 def _algorithm(table: dict, alg: str, what: str):
@@ -162,6 +164,7 @@ def allgather(comm, buf: np.ndarray, alg: str = "ring", *, wait: Wait | None = N
 
 __all__ = [
     "ALGORITHMS",
+    "ALLREDUCE_NAMES",
     "allgather",
     "allreduce",
     "bounds",
