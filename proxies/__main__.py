@@ -1,30 +1,9 @@
 """python -m proxies COMMAND [ARGS]: the same as python -m proxies.COMMAND [ARGS]."""
 
-import importlib.util
 import runpy
 import sys
 
-COMMANDS = {
-    "gpt2": "GPT-2: pipeline x data parallelism, real NumPy training",
-    "gpt3": "GPT-3 (+MoE): data x tensor x pipeline (x expert) parallelism",
-    "cosmoflow": "CosmoFlow: 3D CNN, spatial x data parallelism",
-    "dlrm": "DLRM: model-parallel embeddings x data-parallel MLPs",
-    "collectives": "allreduce algorithms benchmark (nccl-tests style table)",
-    "sweep": "run a YAML scaling sweep",
-    "report": "tables and plots of a sweep's results",
-    "compare": "is B faster than A: two results or sweeps, per category, noise stated",
-    "calibrate": "measure this allocation and write a machine file (--machine)",
-}
-
-
-def available() -> dict[str, str]:
-    def runnable(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(f"proxies.{name}.__main__") is not None
-        except ModuleNotFoundError:
-            return False
-
-    return {k: v for k, v in COMMANDS.items() if runnable(k)}
+from proxies.registry import available
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ import zlib
 
 import numpy as np
 
-from proxies.collectives import (
+from proxies.core import mpi
+from proxies.core.collectives import (
     ALGORITHMS,
     allgather,
     allreduce,
@@ -29,8 +30,7 @@ from proxies.collectives import (
     run,
     steps,
 )
-from proxies.collectives.program import execute
-from proxies.core import mpi
+from proxies.core.collectives.program import execute
 from proxies.core.waiting import Waiter
 
 MPI = mpi.init()

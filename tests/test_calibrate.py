@@ -9,7 +9,7 @@ from launch import mpirun, run
 
 from proxies.calibrate import fit_hockney
 from proxies.calibrate.main import output_problem
-from proxies.collectives import ALGORITHMS
+from proxies.core.collectives import ALGORITHMS
 from proxies.core.machine import load
 
 

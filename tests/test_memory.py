@@ -29,7 +29,7 @@ def run(job, args, MPI, machine=None):
     # the fixed cost of a rank: this process's resident set, and what its supervisor holds
     # of its own (the pages they share after the fork counted once)
     fixed = base + (private(os.getppid()) if supervisor.beacon() is not None else 0)
-    est = job.memory(MPI.COMM_WORLD.rank)
+    est = job.memory_estimate(MPI.COMM_WORLD.rank)
     code = orig(job, args, MPI, machine)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {"base": base, "fixed": fixed, "peak": peak, "est": est}

@@ -11,7 +11,11 @@ from rich.console import Console
 
 from proxies.core import report, tables
 from proxies.core.tables import Column
+from proxies.cosmoflow import SPEC
 from proxies.sweep import report as sweep_report
+
+# cosmoflow's categories labelled as a cosmoflow run labels them (its spec's table)
+COSMOFLOW = report.Categories.of(SPEC.categories, SPEC.short)
 
 WIDTHS = (80, 200)
 # A number as printed: digits with thousands commas and a decimal part.
@@ -172,14 +176,14 @@ def expected_numbers(result: dict) -> list[str]:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_run_report_uncut(cosmoflow_result, width):
     out = recorder(width)
-    report.print_report(cosmoflow_result, ["header line"], out=out)
+    report.print_report(cosmoflow_result, ["header line"], out=out, table=COSMOFLOW)
     text = text_of(out)
     assert_uncut(text, expected_numbers(cosmoflow_result), width)
     assert "over 2 timed iterations" in text
     # The per-stage table names categories as the breakdown does, or by an abbreviation
     # whose legend entry is that name.
     stage_part = text.split("per stage", 1)[1].split("who waited", 1)[0]
-    names = {report.label(c) for c in cosmoflow_result["breakdown_per_rank_s"]}
+    names = {report.label(c, COSMOFLOW) for c in cosmoflow_result["breakdown_per_rank_s"]}
     named = legend(stage_part)
     shown = {h for t in all_headers(stage_part) for h in t} - {"ranks"}
     for h in shown:
@@ -254,7 +258,7 @@ def test_sweep_table_uncut(cosmoflow_result, width):
     assert len(hs) == len(set(hs)), hs
     if width == 80:
         assert named  # abbreviated, each explained by its full label
-        assert set(named.values()) <= {report.label(c) for c in bd}
+        assert set(named.values()) <= {report.label(c, COSMOFLOW) for c in bd}
 
 
 # -- dry runs ------------------------------------------------------------------------------

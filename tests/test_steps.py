@@ -1,4 +1,4 @@
-"""proxies.collectives.steps without MPI: every (kind, alg)'s trace is consistent, and its
+"""proxies.core.collectives.steps without MPI: every (kind, alg)'s trace is consistent, and its
 coarse phases carry exactly the trace's bytes, latency and reduce work.
 
 The reference is a tiny event-driven replay of the trace (`replay`): every rank runs its
@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 
 import pytest
 
-from proxies.collectives import dbtree, steps
+from proxies.core.collectives import dbtree, steps
 
 CASES = [(kind, alg) for kind in steps.KINDS for alg in steps.algorithms(kind)]
 RANKS = range(1, 18)

@@ -111,7 +111,7 @@ def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
 def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
     """For each measured size of MPI's allreduce, the algorithm whose fitted prediction is
     closest; consecutive sizes with the same answer merged, the last open-ended."""
-    from proxies.collectives import steps
+    from proxies.core.collectives import steps
 
     algs = [a for a in steps.algorithms("allreduce") if a != "hier"]
     table: list[tuple[int, str]] = []

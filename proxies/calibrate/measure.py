@@ -210,7 +210,7 @@ def allreduce_measurements(
     rank's, the figure the median over calls. Algorithms alternate within a size, so load
     that drifts touches them alike. `wait` (e.g. the engine's Waiter.waitall) completes
     requests, None for MPI's blocking waits; ranks_per_node is for hier."""
-    from proxies.collectives import ALGORITHMS, allreduce
+    from proxies.core.collectives import ALGORITHMS, allreduce
 
     algs = list(algorithms or ALGORITHMS)
     barrier = barrier or comm.Barrier

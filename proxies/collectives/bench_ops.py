@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proxies.collectives import ALGORITHMS, allreduce, bounds, run, steps
-from proxies.collectives.common import words
 from proxies.core import wire
+from proxies.core.collectives import ALGORITHMS, allreduce, bounds, run, steps
+from proxies.core.collectives.common import words
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ from proxies.compare import sides, stats
 from proxies.core import exits
 from proxies.core.report import HIDDEN, console, ordered, write_json
 from proxies.core.report import label as category_label
+from proxies.registry import report_categories
+
+# Every proxy's category labels: results carry no job to ask.
+TABLE = report_categories()
 
 PROG = "python -m proxies compare"
 ITERATION = "iteration"  # the row of the whole iteration (max over ranks), before categories
@@ -53,7 +57,7 @@ def samples(pt: dict, category: str) -> list[float]:
 
 
 def compare_point(a: dict, b: dict) -> dict:
-    cats = ordered(set(a["breakdown_s"]) | set(b["breakdown_s"]))
+    cats = ordered(set(a["breakdown_s"]) | set(b["breakdown_s"]), TABLE)
     rows = {c: stats.compare(samples(a, c), samples(b, c)) for c in [ITERATION, *cats]}
     return {
         "a": a["name"],
@@ -152,9 +156,11 @@ def print_point(c: dict, out) -> None:
     for col in ("", "A", "B", "B - A", "B / A", "verdict"):
         t.add_column(col, justify="left" if col in ("", "verdict") else "right")
     for cat, r in c["rows"].items():
-        name = "time per iteration" if cat == ITERATION else category_label(cat).split(" (")[0]
+        name = (
+            "time per iteration" if cat == ITERATION else category_label(cat, TABLE).split(" (")[0]
+        )
         if cat.endswith(HIDDEN):
-            name = category_label(cat)
+            name = category_label(cat, TABLE)
         colour = {"B": "green", "A": "red"}.get(r["faster"])
         t.add_row(
             escape(name),

@@ -9,7 +9,11 @@ import os
 import re
 
 from proxies.core.report import ordered
+from proxies.registry import report_categories
 from proxies.sweep import results
+
+# Every proxy's category labels: results carry no job to ask.
+TABLE = report_categories()
 
 # Config keys that change how the same work is done or measured, not the work itself:
 # comparing them is the point of a comparison (MPI's allreduce against our ring, spin
@@ -86,7 +90,7 @@ def pool(into: dict, result: dict) -> None:
     into["iter_time_s"] += result["iter_time_s"]
     n_before = len(into["iter_time_s"]) - len(result["iter_time_s"])
     bd = result.get("breakdown_s", {})
-    for c in ordered(set(into["breakdown_s"]) | set(bd)):
+    for c in ordered(set(into["breakdown_s"]) | set(bd), TABLE):
         # a category one repeat lacks took no time in it
         old = into["breakdown_s"].get(c, [0.0] * n_before)
         into["breakdown_s"][c] = old + list(bd.get(c, [0.0] * len(result["iter_time_s"])))

@@ -21,16 +21,6 @@ if TYPE_CHECKING:
     from proxies.core.machine import Machine
 
 COMPUTE_MODES = ("real", "replay", "model", "none")
-ALLREDUCE_ALGS = (
-    "mpi",
-    "ring",
-    "tree",
-    "rhd",
-    "rd",
-    "dbtree",
-    "hier",
-    "naive",
-)  # proxies.collectives
 # --dtype / --grad-dtype names -> the dtype names plans carry (see core/wire.py).
 WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # --predict: how collectives are priced on a machine model (see core/predict.py)
@@ -88,7 +78,43 @@ def say(msg: str, *, file=sys.stderr) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing usage on every rank."""
+    """argparse that raises UsageError instead of printing usage on every rank, and keeps
+    `arguments`: every Action added, in order, argument groups included. argparse has no
+    public list of a parser's actions; the sweep (sweep/proxyargs.py) checks a sweep file's
+    args against this one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.arguments: list[argparse.Action] = []  # before super(): it adds --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:  # noqa: D102
+        action = super().add_argument(*args, **kwargs)
+        self.arguments.append(action)
+        return action
+
+    def add_argument_group(self, *args, **kwargs):  # noqa: D102
+        return self._recording(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, *args, **kwargs):  # noqa: D102
+        return self._recording(super().add_mutually_exclusive_group(*args, **kwargs))
+
+    def _recording(self, group):
+        """The group, its add_argument also recording into self.arguments."""
+        add = group.add_argument
+
+        def add_argument(*args, **kwargs) -> argparse.Action:
+            action = add(*args, **kwargs)
+            self.arguments.append(action)
+            return action
+
+        group.add_argument = add_argument
+        group.add_argument_group = lambda *a, **k: self._recording(
+            type(group).add_argument_group(group, *a, **k)
+        )
+        group.add_mutually_exclusive_group = lambda *a, **k: self._recording(
+            type(group).add_mutually_exclusive_group(group, *a, **k)
+        )
+        return group
 
     def error(self, message: str):  # noqa: D102
         raise UsageError(message)
@@ -296,6 +322,9 @@ def add_common(
     """The shared options. `compute=None` leaves the mode for the proxy to resolve (e.g.
     per preset); `compute_help` then says how, with the default. A proxy with its own
     --device-tflops default passes it with the help that explains it."""
+    # Imported here: the algorithm programs (and NumPy) load only when a parser is built.
+    from proxies.core.collectives import ALLREDUCE_NAMES
+
     g = p.add_argument_group("common proxy options")
     g.add_argument(
         "--iters",
@@ -327,7 +356,7 @@ def add_common(
     )
     g.add_argument(
         "--allreduce",
-        choices=ALLREDUCE_ALGS,
+        choices=ALLREDUCE_NAMES,
         default="mpi",
         help="algorithm of every allreduce: mpi (the library's own, the default) or ours over "
         "point-to-point (see python -m proxies.collectives); ours run to completion where "

@@ -36,8 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from proxies import collectives
-from proxies.core import check, wire
+from proxies.core import check, collectives, wire
 from proxies.core.faults import DELAY
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN
@@ -159,7 +158,7 @@ class Engine:
         self.iteration = 0
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
-        self.allreduce = allreduce  # algorithm name, see proxies.collectives
+        self.allreduce = allreduce  # algorithm name, see proxies.core.collectives
         # "thread": a Progress thread while non-blocking collectives are pending; "test":
         # they advance only when the engine tests them between ops.
         multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -334,7 +333,7 @@ class Engine:
         # being elementwise, is also cut into pieces.
         calls = []
         if op.kind == "allreduce" and self.allreduce != "mpi":
-            # Our algorithms over point-to-point (proxies.collectives) run to completion
+            # Our algorithms over point-to-point (proxies.core.collectives) run to completion
             # here: a non-blocking allreduce becomes blocking at its start.
             wait = self.waiter.waitall if self.waiter.yielding else None
             collectives.allreduce(comm, flat, self.allreduce, wait=wait)

@@ -78,9 +78,9 @@ MPI_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "r
 
 def mpi_algorithms(kind: str) -> tuple[str, ...]:
     """The algorithm names an `mpi:` entry of `kind` may give: those the predictor has a
-    program for (proxies.collectives.steps), so a table it cannot price fails here, naming
+    program for (proxies.core.collectives.steps), so a table it cannot price fails here, naming
     the file and key, not late inside a prediction."""
-    from proxies.collectives.steps import algorithms
+    from proxies.core.collectives.steps import algorithms
 
     return algorithms(kind)
 

@@ -264,7 +264,7 @@ def by_label(job, ranks: Iterable[int]) -> dict[str, dict[str, int]]:
     for r in ranks:
         name = job.label(r)
         if name not in out:
-            out[name] = job.memory(r)
+            out[name] = job.memory_estimate(r)
     return out
 
 
@@ -293,4 +293,4 @@ def refuse_rank(job, args, rank: int, world: int) -> None:
     """The real run's check (runner.main, before the runtime is built): this rank's
     estimate; ranks that differ agree through mpi.agree, the lowest failing one prints."""
     if job.memory is not None:
-        refuse(job.memory(rank), args, world)
+        refuse(job.memory_estimate(rank), args, world)

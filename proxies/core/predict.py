@@ -6,7 +6,7 @@ discrete-event simulation in global time order:
 - a point-to-point message starts when both sides have posted it (rendezvous), costs its
   level's latency, then moves its bytes as a flow that shares links with every other flow
   in flight (network.py: max-min fair share, a node's interface shared by its flows);
-- a collective runs the steps of the algorithm that executes it (proxies.collectives: the
+- a collective runs the steps of the algorithm that executes it (proxies.core.collectives: the
   same description the executor reads), either message by message ("steps": each member
   starts its own steps when it posts, every message a flow) or phase by phase ("coarse":
   once every member has posted, each phase's aggregated flows share the links, plus the
@@ -452,7 +452,7 @@ class _Predictor:
 
     def _shape(self, what: str, inst: _Instance):
         """The algorithm's trace (steps) or phases (coarse) for this instance, cached."""
-        from proxies.collectives import steps
+        from proxies.core.collectives import steps
 
         op, members = inst.op, inst.members
         key = (what, op.kind, inst.alg, members, op.count, itemsize(op.dtype))

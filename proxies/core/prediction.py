@@ -137,7 +137,7 @@ def as_result(pred: Prediction, job, world: int, plans: dict[int, Plan] | None =
     built = plans or {}
     reps = sorted(pred.breakdown)
     labels = {r: job.label(r) for r in reps}
-    cats = report.ordered({c for b in pred.breakdown.values() for c in b})
+    cats = report.ordered({c for b in pred.breakdown.values() for c in b}, job.report_categories())
     rep_of = pred.rep_of if pred.rep_of is not None else np.arange(world)
     per_rank = {c: [pred.breakdown[int(rep_of[r])].get(c, 0.0) for r in range(world)] for c in cats}
     plans_bytes = {r: (built.get(r) or job.plan(r)).bytes_by_category() for r in reps}
@@ -166,7 +166,7 @@ def dry_run_report(job, args, machine, console, plans: dict[int, Plan] | None = 
         return None
     result = as_result(pred, job, job.grid.size, plans)
     console.print(note)
-    report.print_report(result, [], predicted=True)
+    report.print_report(result, [], predicted=True, table=job.report_categories())
     return json_fields(pred, result, note)
 
 
@@ -179,8 +179,11 @@ def json_fields(pred: Prediction, result: dict, note: str) -> dict:
     }
 
 
-def print_comparison(measured: dict, predicted: dict, console) -> None:
-    """Measured beside predicted per category (means over ranks), with the relative error."""
+def print_comparison(
+    measured: dict, predicted: dict, console, table: report.Categories = report.CORE
+) -> None:
+    """Measured beside predicted per category (means over ranks), with the relative error;
+    `table` names the categories (the job's)."""
     from rich.table import Table
 
     t = Table(title="measured vs predicted, per iteration", title_justify="left")
@@ -201,12 +204,12 @@ def print_comparison(measured: dict, predicted: dict, console) -> None:
         )
 
     row("iteration", m_iter, predicted["iter_time_s"][0])
-    cats = report.ordered(set(measured["breakdown_s"]) | set(predicted["breakdown_s"]))
+    cats = report.ordered(set(measured["breakdown_s"]) | set(predicted["breakdown_s"]), table)
     for c in cats:
         mv = measured["breakdown_s"].get(c)
         pv = predicted["breakdown_s"].get(c)
         row(
-            report.label(c),
+            report.label(c, table),
             statistics.fmean(mv) if mv else None,
             pv[0] if pv else None,
         )

@@ -8,70 +8,38 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from proxies.core.tables import plural
 
-# Display order and labels; categories a proxy adds (e.g. "tp_allreduce") follow these.
-LABELS = {
+HIDDEN = "_hidden"  # communication that ran under other work: not part of the iteration's sum
+
+# The categories core makes, with their labels, in display order: compute and pipeline
+# send/recv (core/pipeline.py) and data-parallel gradient sync first, then the categories a
+# proxy adds (its Job's `categories`, its spec's), then data loading, the engine's wire casts,
+# fault delays, and last idle time and overhead.
+HEAD = {
     "compute": "compute",
     "pp": "pipeline send/recv",
     "dp_allreduce": "data-parallel allreduce",
     "dp_reduce_scatter": "data-parallel reduce-scatter",
     "dp_allgather": "data-parallel allgather",
-    "embed_allreduce": "tied-embedding allreduce",
-    "tp_allreduce": "tensor-parallel allreduce",
-    "tp_allgather": "tensor-parallel allgather",
-    "tp_reduce_scatter": "tensor-parallel reduce-scatter",
-    "ep_alltoall": "expert all-to-all (dispatch, combine)",
-    "edp_allreduce": "expert-data-parallel allreduce",
-    "emb_alltoall": "embedding all-to-all",
-    "emb_input": "embedding ids and lengths all-to-all (row-wise)",
-    "emb_reduce_scatter": "pooled-embedding reduce-scatter (row-wise)",
-    "emb_allgather": "pooled-gradient all-gather (row-wise)",
-    "halo": "halo exchange (spatial neighbours)",
-    "sp_allgather": "allgather over the shards (dense inputs)",
-    "sp_reduce_scatter": "reduce-scatter over the shards (dense input gradients)",
-    "conv_allreduce": "conv gradient allreduce (all ranks)",
-    "dense_allreduce": "dense-slice gradient allreduce (replicas)",
+}
+TAIL = {
     "data": "synthetic data",
     "dtype_cast": "float32 <-> 16-bit wire casts",
     "fault_delay": "fault delay (--slow-link holds)",
     "idle": "idle (bubble, waiting for peers)",
     "overhead": "overhead (engine, between ops)",
 }
-
-
-HIDDEN = "_hidden"  # communication that ran under other work: not part of the iteration's sum
-
-
-def ordered(categories) -> list[str]:
-    cats = set(categories)
-    hidden = sorted(c for c in cats if c.endswith(HIDDEN))
-    head = [c for c in LABELS if c in cats and c not in ("idle", "overhead")]
-    tail = [c for c in ("idle", "overhead") if c in cats]
-    return head + sorted(cats - set(head) - set(tail) - set(hidden)) + tail + hidden
-
-
-def label(category: str) -> str:
-    if category.endswith(HIDDEN):
-        base = category[: -len(HIDDEN)]
-        return f"{LABELS.get(base, base)}, hidden under other work"
-    return LABELS.get(category, category)
-
-
 # Short names for the tables' column headers when full labels would not fit (a legend
-# under the table spells them out); categories not listed here are shortened by `abbrev`.
+# under the table spells them out); categories not listed are shortened by `abbrev`.
 SHORT = {
     "compute": "comp",
     "pp": "pp",
-    "embed_allreduce": "tied ar",
-    "emb_alltoall": "emb a2a",
-    "emb_input": "ids a2a",
-    "emb_reduce_scatter": "emb rs",
-    "emb_allgather": "emb ag",
-    "ep_alltoall": "ep a2a",
     "dtype_cast": "cast",
     "fault_delay": "fault",
     "overhead": "ovhd",
@@ -79,12 +47,49 @@ SHORT = {
 KINDS = {"allreduce": "ar", "allgather": "ag", "reduce_scatter": "rs", "alltoall": "a2a"}
 
 
-def abbrev(category: str) -> str:
+@dataclass(frozen=True)
+class Categories:
+    """Labels (in display order) and short column headers of the categories a table shows:
+    core's own with those a proxy adds (`Categories.of`)."""
+
+    labels: Mapping[str, str]
+    short: Mapping[str, str]
+
+    @classmethod
+    def of(
+        cls, labels: Mapping[str, str] | None = None, short: Mapping[str, str] | None = None
+    ) -> Categories:
+        """Core's categories with a proxy's `labels` (display order) and `short` headers."""
+        return cls({**HEAD, **(labels or {}), **TAIL}, {**SHORT, **(short or {})})
+
+
+CORE = Categories.of()
+
+
+def ordered(categories, table: Categories = CORE) -> list[str]:
+    """Display order: the table's, then unknown categories sorted, idle and overhead last,
+    then the hidden ones."""
+    cats = set(categories)
+    hidden = sorted(c for c in cats if c.endswith(HIDDEN))
+    head = [c for c in table.labels if c in cats and c not in ("idle", "overhead")]
+    tail = [c for c in ("idle", "overhead") if c in cats]
+    return head + sorted(cats - set(head) - set(tail) - set(hidden)) + tail + hidden
+
+
+def label(category: str, table: Categories = CORE) -> str:
+    labels = table.labels
+    if category.endswith(HIDDEN):
+        base = category[: -len(HIDDEN)]
+        return f"{labels.get(base, base)}, hidden under other work"
+    return labels.get(category, category)
+
+
+def abbrev(category: str, table: Categories = CORE) -> str:
     """A short column header for a category: "conv_allreduce" -> "conv ar",
     "dp_reduce_scatter_hidden" -> "dp rs hid"."""
     hidden = category.endswith(HIDDEN)
     base = category[: -len(HIDDEN)] if hidden else category
-    short = SHORT.get(base)
+    short = table.short.get(base)
     if short is None:
         short = base.replace("_", " ")
         for kind, k in KINDS.items():
@@ -102,12 +107,12 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], table: Categories = CORE) -> dict:
     """Combine per-rank rows ({"rank", "label", "iter_s": [...], "seconds": {cat: [...]},
     "bytes": {cat: n}}) into the result fields the README lists under --json."""
     rows = sorted(rows, key=lambda r: r["rank"])
     iters = np.array([r["iter_s"] for r in rows])  # (ranks, iterations)
-    cats = ordered({c for r in rows for c in r["seconds"]})
+    cats = ordered({c for r in rows for c in r["seconds"]}, table)
     per = {c: np.array([r["seconds"].get(c, [0.0] * iters.shape[1]) for r in rows]) for c in cats}
     byte_cats = sorted({c for r in rows for c in r["bytes"]})
     return {
@@ -198,10 +203,16 @@ def console():
 
 
 def print_report(
-    result: dict, header: list[str], quiet: bool = False, predicted: bool = False, out=None
+    result: dict,
+    header: list[str],
+    quiet: bool = False,
+    predicted: bool = False,
+    out=None,
+    table: Categories = CORE,
 ) -> None:
     """The measured (or, predicted=True, the predicted) iteration: summary, categories,
-    stages (on `out`, a rich console: by default `console()`)."""
+    stages (on `out`, a rich console: by default `console()`); `table` names the
+    categories (the job's: Job.report_categories())."""
     out = out or console()
     s = stats(result["iter_time_s"])
     n = len(result["iter_time_s"])
@@ -219,14 +230,16 @@ def print_report(
         out.print(line)
     out.print(summary)
 
-    print_breakdown(result, out, mean_iter=s["mean"], predicted=predicted)
-    print_stages(result, out, predicted=predicted)
+    print_breakdown(result, out, mean_iter=s["mean"], predicted=predicted, table=table)
+    print_stages(result, out, predicted=predicted, table=table)
     print_waits(result, out)
     if result.get("loss"):
         out.print("loss per iteration: " + " ".join(f"{x:.6f}" for x in result["loss"]))
 
 
-def print_breakdown(result: dict, out, *, mean_iter: float, predicted: bool = False) -> None:
+def print_breakdown(
+    result: dict, out, *, mean_iter: float, predicted: bool = False, table: Categories = CORE
+) -> None:
     """Where the time went: one row per category, mean and max over ranks, share, bytes."""
     from proxies.core.tables import Column, show
 
@@ -250,11 +263,11 @@ def print_breakdown(result: dict, out, *, mean_iter: float, predicted: bool = Fa
         share = f"{100 * mean / mean_iter:.1f}%" if mean_iter else "-"
         if c.endswith(HIDDEN):
             share, btxt = "(overlapped)", ""
-        rows.append([label(c), f"{mean:.4f} s", f"{mx:.4f} s", share, btxt])
+        rows.append([label(c, table), f"{mean:.4f} s", f"{mx:.4f} s", share, btxt])
     show(out, f"{where}, per iteration", cols, rows)
 
 
-def print_stages(result: dict, out, *, predicted: bool = False) -> None:
+def print_stages(result: dict, out, *, predicted: bool = False, table: Categories = CORE) -> None:
     """Per rank group (e.g. pipeline stage): where imbalance and bubbles show. The columns
     are the breakdown table's categories, by the same names (abbreviated with a legend
     when they would not fit)."""
@@ -268,9 +281,9 @@ def print_stages(result: dict, out, *, predicted: bool = False) -> None:
         return
     per = result["breakdown_per_rank_s"]
     cats = list(per)
-    shorts = unique_shorts([abbrev(c) for c in cats])
+    shorts = unique_shorts([abbrev(c, table) for c in cats])
     cols = [Column("ranks", number=False, key=True)]
-    cols += [Column(label(c), short=s) for c, s in zip(cats, shorts, strict=True)]
+    cols += [Column(label(c, table), short=s) for c, s in zip(cats, shorts, strict=True)]
     rows = [
         [name, *(f"{np.mean([per[c][i] for i in idx]):.4f}" for c in cats)]
         for name, idx in groups.items()

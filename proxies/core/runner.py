@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +40,11 @@ from proxies.core.plan import P2P, Collective, Compute, Plan, retype
 from proxies.core.waiting import Waiter
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
+    """What a proxy's make_job hands to `run` and `dry_run`: built by keyword, every field
+    declared here (nothing is attached after construction)."""
+
     prog: str  # "proxies.gpt2"
     proxy: str  # "gpt2"
     config: dict  # every resolved option, stored in the JSON results
@@ -52,7 +55,8 @@ class Job:
     header: list[str] = field(default_factory=list)  # lines describing the run
     # Built only when running: (rank, MPI, communicators, mode) -> Runtime.
     runtime: Callable | None = None
-    # Group whose members run identical compute: replay measures on its rank 0 only.
+    # Group whose members run identical compute: replay measures on its rank 0 only
+    # ("self", a name no group has: every rank measures its own).
     replay_share: str = "dp"
     # Wire dtypes (--dtype, --grad-dtype as plan dtype names): categories that are gradient
     # reductions travel as the second, other float32 traffic as the first, except buffers
@@ -63,9 +67,17 @@ class Job:
     # Grid dimensions whose members run the same plan op for op (replicas): a prediction of
     # a large world simulates one rank per combination of the other coordinates.
     fold: tuple[str, ...] = ("dp",)
-    # World rank -> its estimated memory for the run's --compute mode: {part: bytes}
-    # (core/memory.py adds the shared parts); None: no estimate, never refused.
-    memory: Callable[[int], dict[str, int]] | None = None
+    # (world rank, its plan as `plan` returns it) -> its estimated memory for the run's
+    # --compute mode: {part: bytes} (core/memory.py adds the shared parts); None: no
+    # estimate, never refused. Read it through memory_estimate.
+    memory: Callable[[int, Plan], dict[str, int]] | None = None
+    # The timing categories this proxy adds: label of each in display order, and short
+    # column headers (its spec's tables, core/spec.py); core/report.py has the shared ones.
+    categories: Mapping[str, str] = field(default_factory=dict)
+    short: Mapping[str, str] = field(default_factory=dict)
+    # The model's own resolved setup, for its own dry run and tests (gpt3: a transformer
+    # Setup); core never reads it, hence no type core could name.
+    setup: object | None = None
     # What a proxy adds to the shared dry run, given the representatives' plans {rank: plan}:
     # lines printed after the plan table, and fields for its JSON.
     dry_run_lines: Callable[[Any, dict[int, Plan]], None] | None = None  # (console, plans)
@@ -76,6 +88,14 @@ class Job:
     # Without --show-ranks, list the ops of one rank per label (False: none, for plans of
     # thousands of ops per rank).
     ops_by_default: bool = True
+
+    def report_categories(self) -> report.Categories:
+        """The categories this job's tables name: core's and the proxy's."""
+        return report.Categories.of(self.categories, self.short)
+
+    def memory_estimate(self, rank: int) -> dict[str, int] | None:
+        """Rank `rank`'s memory estimate (see `memory`), None without an estimator."""
+        return None if self.memory is None else self.memory(rank, self.plan(rank))
 
     def __post_init__(self) -> None:
         act, grad = self.dtypes
@@ -461,7 +481,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         "mpi": mpi_describe(MPI),
         "blas_threads": threads.decision[0] if threads.decision else None,
         "timestamp": report.timestamp(),
-        **report.summarize(rows),
+        **report.summarize(rows, job.report_categories()),
         **origin,
     }
     if args.compute == "real" and total_loss[:, 1].all():
@@ -469,7 +489,12 @@ def run(job: Job, args, MPI, machine=None) -> int:
         result["loss"] = (total_loss[:, 0] / total_loss[:, 1]).tolist()
     if args.compute == "replay":
         result["replay_s"] = {f"{k[0]}/{k[1]}": v for k, v in sorted(replay.items())}
-    report.print_report(result, job.header + [run_line(result, args)], quiet=args.quiet)
+    report.print_report(
+        result,
+        job.header + [run_line(result, args)],
+        quiet=args.quiet,
+        table=job.report_categories(),
+    )
     code = exits.OK
     if args.compute == "real" and diverged(firsts):
         it, who = diverged(firsts)
@@ -508,7 +533,7 @@ def compare(job: Job, args, machine, result: dict, replays) -> None:
     pred, note = prediction.run_prediction(job, args, machine, replay=replay)
     predicted = prediction.as_result(pred, job, job.grid.size)
     console.print(note)
-    prediction.print_comparison(result, predicted, console)
+    prediction.print_comparison(result, predicted, console, job.report_categories())
     result |= prediction.json_fields(pred, predicted, note)
     if args.json:
         report.write_json(args.json, result, prog=job.prog)

@@ -38,6 +38,7 @@ import numpy as np
 from proxies.core import check, cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.cosmoflow import SPEC
 from proxies.cosmoflow.config import (
     CPP_BWD_US,
     CPP_FWD_US,
@@ -532,23 +533,24 @@ def make_job(args, world: int) -> runner.Job:
     header = describe(PROG, cfg, shards, dp, B, G, args)
     if args.dry_run:
         header += derivation(cfg, shards, B, world)
-    job = runner.Job(
-        PROG,
-        "cosmoflow",
-        config,
-        grid,
-        plan,
-        ("sp", "dp", "world"),
-        label,
-        header,
-        runtime,
+    return runner.Job(
+        prog=PROG,
+        proxy="cosmoflow",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=("sp", "dp", "world"),
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"conv_allreduce", "dense_allreduce"}),
+        memory=lambda rank, plan: estimate_memory(
+            cfg, shards, grid.coords(rank)["sp"], B, args.compute, plan
+        ),
+        categories=SPEC.categories,
+        short=SPEC.short,
     )
-    job.memory = lambda rank: estimate_memory(
-        cfg, shards, grid.coords(rank)["sp"], B, args.compute, job.plan(rank)
-    )
-    return job
 
 
 def main(argv: list[str] | None = None) -> int:

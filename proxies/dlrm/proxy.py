@@ -34,6 +34,7 @@ import numpy as np
 from proxies.core import cli, memory, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan
+from proxies.dlrm import SPEC
 from proxies.dlrm.config import PRESETS, DLRMConfig
 from proxies.dlrm.data import Synthetic
 from proxies.dlrm.memory import estimate as estimate_memory
@@ -399,27 +400,28 @@ def make_job(args, world: int) -> runner.Job:
         f"data: {source.describe()} · lr {cfg.lr:g} · iterations {args.warmup} warm-up + "
         f"{args.iters} timed",
     ]
-    job = runner.Job(
-        PROG,
-        "dlrm",
-        config,
-        grid,
-        plan,
-        ("dp", "emb"),
-        label,
-        header,
-        runtime,
+    return runner.Job(
+        prog=PROG,
+        proxy="dlrm",
+        config=config,
+        grid=grid,
+        plan=plan,
+        group_names=("dp", "emb"),
+        label=label,
+        header=header,
+        runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce"}),  # the MLPs' (embeddings: all-to-all)
+        # Replay measures on one rank per group and shares: fine when every rank holds as
+        # many tables; otherwise each rank measures its own ops ("self" names no group).
+        # Row-wise lookups depend on which ids fall in a rank's rows: each measures its own.
+        replay_share="dp" if padding == 0 and layout.kind != "row" else "self",
+        memory=lambda rank, plan: estimate_memory(
+            cfg, rank, world, layout.kind, layout.columns, args.compute, plan
+        ),
+        categories=SPEC.categories,
+        short=SPEC.short,
     )
-    # Replay measures on one rank per group and shares: fine when every rank holds as many
-    # tables; otherwise each rank measures its own ops ("self" names no group). Row-wise
-    # lookups depend on which ids fall in a rank's rows: each measures its own.
-    job.replay_share = "dp" if padding == 0 and layout.kind != "row" else "self"
-    job.memory = lambda rank: estimate_memory(
-        cfg, rank, world, layout.kind, layout.columns, args.compute, job.plan(rank)
-    )
-    return job
 
 
 def main(argv: list[str] | None = None) -> int:

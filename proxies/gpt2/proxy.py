@@ -24,7 +24,7 @@ import numpy as np
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan, Span, block_range
-from proxies.gpt2 import cpp
+from proxies.gpt2 import SPEC, cpp
 from proxies.transformer import options
 from proxies.transformer.config import (
     PRESETS,
@@ -360,7 +360,7 @@ def make_job(args, world: int) -> runner.Job:
         + (source.describe() if source is not None else args.data or "none")
         + f" · iterations {args.warmup} warm-up + {args.iters} timed",
     ]
-    job = runner.Job(
+    return runner.Job(
         prog=PROG,
         proxy="gpt2",
         config=config,
@@ -372,9 +372,10 @@ def make_job(args, world: int) -> runner.Job:
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
+        memory=lambda rank, plan: estimate_memory(cfg, split, grid, args, lambda _: plan, rank),
+        categories=SPEC.categories,
+        short=SPEC.short,
     )
-    job.memory = lambda rank: estimate_memory(cfg, split, grid, args, job.plan, rank)
-    return job
 
 
 def estimate_memory(cfg, split, grid, args, plan, rank: int) -> dict[str, int]:

@@ -36,6 +36,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.core.tables import si_count
+from proxies.gpt3 import SPEC
 from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.transformer import options
 from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
@@ -488,7 +489,7 @@ def make_job(args, world: int) -> runner.Job:
     config = config_dict(args, S, grid, schedule)
     header = header_lines(args, S, grid, schedule, source)
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
-    job = runner.Job(
+    return runner.Job(
         prog=PROG,
         proxy="gpt3",
         config=config,
@@ -504,13 +505,14 @@ def make_job(args, world: int) -> runner.Job:
         fp32_buffers=frozenset({"ce"}),
         # tensor-parallel shards and data-parallel replicas run the same plan op for op
         fold=("tp", "dp"),
+        setup=S,  # for the dry run
+        memory=lambda rank, plan: estimate_memory(
+            S, grid.coords(rank)["pp"], schedule, args.compute, plan
+        ),
+        categories=SPEC.categories,
+        short=SPEC.short,
+        **dry_run_hooks(S),
     )
-    job.setup = S  # for the dry run
-    dry_run_hooks(job, S)
-    job.memory = lambda rank: estimate_memory(
-        S, grid.coords(rank)["pp"], schedule, args.compute, job.plan(rank)
-    )
-    return job
 
 
 def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:
@@ -587,9 +589,9 @@ def header_lines(args, S: Setup, grid: ProcessGrid, schedule: str, source) -> li
 # dry run: what GPT-3 adds to the shared one (core/runner.dry_run)
 
 
-def dry_run_hooks(job: runner.Job, S: Setup) -> None:
-    """The parameter and comm-only memory lines and JSON fields, and the traffic table per
-    stage, on top of the shared dry run."""
+def dry_run_hooks(S: Setup) -> dict:
+    """Job fields: the parameter and comm-only memory lines and JSON fields, and the traffic
+    table per stage, on top of the shared dry run."""
 
     def pools(plans: dict[int, Plan]) -> int:
         return max(BufferPool(p, S.inflight).nbytes for p in plans.values())
@@ -609,9 +611,12 @@ def dry_run_hooks(job: runner.Job, S: Setup) -> None:
     def fields(plans: dict[int, Plan]) -> dict:
         return {"params": S.cfg.num_params, "comm_only_bytes_per_rank": pools(plans)}
 
-    job.dry_run_lines, job.dry_run_json = lines, fields
-    job.traffic_by = ("pp", "stages")
-    job.ops_by_default = False  # thousands of ops per rank: --show-ranks asks for them
+    return {
+        "dry_run_lines": lines,
+        "dry_run_json": fields,
+        "traffic_by": ("pp", "stages"),
+        "ops_by_default": False,  # thousands of ops per rank: --show-ranks asks for them
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

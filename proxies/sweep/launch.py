@@ -21,40 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from proxies.sweep.launchers import template
 from proxies.sweep.schema import Point
 
-LAUNCHERS = {
-    "mpiexec": "mpiexec -n {ranks} {command}",
-    "mpirun": "mpirun -n {ranks} {command}",
-    "srun": "srun -n {ranks} {command}",
-}
-PLACEHOLDERS = ("{ranks}", "{command}")
 KILL_GRACE_S = 3.0  # SIGTERM first (srun and mpiexec then clean up their ranks), then SIGKILL
 PRECHECK_TIMEOUT_S = 300.0
-
-
-def template(launcher: str) -> str:
-    """The template for a launcher name or a template; ValueError says what is wrong."""
-    t = LAUNCHERS.get(launcher.strip(), launcher)
-    if any(ord(c) < 32 or ord(c) == 127 for c in t):
-        raise ValueError(f"{launcher!r}: a launcher may not hold a newline or control character")
-    try:
-        words = shlex.split(t)
-    except ValueError as e:
-        raise ValueError(f"{launcher!r}: {e}") from None
-    if words.count("{command}") != 1:
-        raise ValueError(
-            f"{launcher!r}: expected mpiexec, mpirun, srun, or a template with {{command}} "
-            "as one word and {ranks}, e.g. 'mpiexec -n {ranks} --bind-to core {command}'"
-        )
-    if "{ranks}" not in t:
-        raise ValueError(f"{launcher!r}: the template must say where {{ranks}} goes")
-    rest = t
-    for ph in PLACEHOLDERS:
-        rest = rest.replace(ph, "")
-    if "{" in rest or "}" in rest:
-        raise ValueError(f"{launcher!r}: only {{ranks}} and {{command}} may appear in braces")
-    return t
 
 
 def proxy_command(point: Point, json_path: str | None, machine: bool = True) -> list[str]:

@@ -1,15 +1,15 @@
 """A proxy's command line, read from its own argparse parser: which sweep `args` are
 positional (by name, in order), which are options, which are flags, and whether a value is
 one the proxy accepts. Checking against the parser means a sweep file is validated by the
-same rules as the command it will launch, for any `proxies.<name>` module.
+same rules as the command it will launch, for every proxy the registry lists.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 from dataclasses import dataclass, field
+
+from proxies import registry
 
 # Options the sweep itself sets on every launch.
 RESERVED = ("json", "dry_run", "world_size", "help")
@@ -21,8 +21,8 @@ MACHINE_KEYS = ("machine", "machine_set", "ranks_per_node", "predict")
 class ProxyArgs:
     """The arguments of `python -m proxies.<proxy>`.
 
-    `known` is False when the module offers no `parser()`: every arg is then passed as
-    `--name value` (true/false as a bare flag or nothing) unchecked."""
+    `known` is False when its parser recorded no `arguments` (not a cli.Parser): every
+    arg is then passed as `--name value` (true/false as a bare flag or nothing) unchecked."""
 
     proxy: str
     known: bool
@@ -113,53 +113,34 @@ def fmt(value: object) -> str:
 
 
 def installed(proxy: str) -> bool:
-    """Whether `python -m proxies.<proxy>` can run (a package with a __main__, not a folder
-    still being written)."""
-    try:
-        return importlib.util.find_spec(f"proxies.{proxy}.__main__") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-# Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of
-# sizes and bandwidths, not the iteration times a sweep records and reports.
-TOOLS = ("sweep", "report", "calibrate", "collectives", "compare")
+    """Whether `proxy` is a registered proxy that can run (proxies/registry.py)."""
+    return registry.proxy(proxy) is not None
 
 
 def proxies() -> list[str]:
-    """The proxies installed: packages proxies.<name> with a __main__, tools left out."""
-    import pkgutil
-
-    import proxies as package
-
-    found = (m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
-    return sorted(n for n in found if n not in TOOLS and installed(n))
+    """The proxies installed (the registry's, the app commands left out)."""
+    return registry.proxies()
 
 
 def lookup(proxy: str) -> ProxyArgs | None:
-    """The proxy's arguments; None when `proxies.<proxy>` is not installed. The parser is
-    `parser()` in `proxies.<proxy>.proxy` or in `proxies.<proxy>` itself. A module that
-    exists but fails to import raises ImportError with the reason."""
-    if not installed(proxy):
+    """The proxy's arguments, read from its spec's parser; None when no such proxy is
+    installed. A proxy module that fails to import raises ImportError with the reason."""
+    spec = registry.proxy(proxy)
+    if spec is None:
         return None
-    for name in (f"proxies.{proxy}.proxy", f"proxies.{proxy}"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise ImportError(f"importing {name}: {e}") from None
-        except Exception as e:  # a proxy being written: say so, do not crash the sweep
-            raise ImportError(f"importing {name}: {type(e).__name__}: {e}") from None
-        make = getattr(module, "parser", None)
-        if callable(make):
-            p = make()
-            if isinstance(p, argparse.ArgumentParser):
-                return from_parser(proxy, p)
-    return ProxyArgs(proxy, known=False)
+    try:
+        p = spec.parser()
+    except Exception as e:  # a proxy being written: say so, do not crash the sweep
+        raise ImportError(f"importing {spec.module}: {type(e).__name__}: {e}") from None
+    return from_parser(proxy, p)
 
 
 def from_parser(proxy: str, p: argparse.ArgumentParser) -> ProxyArgs:
-    actions = {a.dest: a for a in p._actions if a.dest != argparse.SUPPRESS}
-    positionals = tuple(a.dest for a in p._actions if not a.option_strings)
+    """The arguments a cli.Parser recorded (`arguments`: argparse keeps no public list of
+    its actions); another parser's are unknown, and its args go through unchecked."""
+    recorded = getattr(p, "arguments", None)
+    if recorded is None:
+        return ProxyArgs(proxy, known=False)
+    actions = {a.dest: a for a in recorded if a.dest != argparse.SUPPRESS}
+    positionals = tuple(a.dest for a in recorded if not a.option_strings)
     return ProxyArgs(proxy, True, positionals, actions)

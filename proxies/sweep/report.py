@@ -28,7 +28,11 @@ from collections import Counter
 from proxies.core import exits
 from proxies.core.report import HIDDEN, abbrev, console, ordered
 from proxies.core.report import label as category_label
+from proxies.registry import report_categories
 from proxies.sweep import results
+
+# Every proxy's category labels: results carry no job to ask.
+TABLE = report_categories()
 
 CSV_FILE = "report.csv"
 PLOTS = ("time.png", "efficiency.png", "breakdown.png")
@@ -48,7 +52,7 @@ def predicted_time(result: dict) -> float | None:
 
 
 def mean_breakdown(bds: list[dict[str, float]]) -> dict[str, float]:
-    cats = ordered({c for b in bds for c in b})
+    cats = ordered({c for b in bds for c in b}, TABLE)
     return {c: statistics.fmean(b.get(c, 0.0) for b in bds) for c in cats}
 
 
@@ -254,7 +258,7 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
     for proxy in dict.fromkeys(r["proxy"] for r in table_rows):
         mine = [r for r in table_rows if r["proxy"] == proxy]
         shown = [r for r in mine if r["status"] != "skipped"]
-        cats = ordered({c for r in shown for c in shown_breakdown(r)})
+        cats = ordered({c for r in shown for c in shown_breakdown(r)}, TABLE)
         cats = [c for c in cats if not c.endswith(HIDDEN)]
         with_pred = any(r["predicted_s"] is not None or r["predicted"] for r in shown)
         if shown:
@@ -263,8 +267,10 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
             cols += [Column("status", number=False), Column("time/iter")]
             cols += [Column("predicted"), Column("error")] if with_pred else []
             cols += [Column("speed-up"), Column("efficiency")]
-            shorts = unique_shorts([abbrev(c) for c in cats])
-            cols += [Column(category_label(c), short=s) for c, s in zip(cats, shorts, strict=True)]
+            shorts = unique_shorts([abbrev(c, TABLE) for c in cats])
+            cols += [
+                Column(category_label(c, TABLE), short=s) for c, s in zip(cats, shorts, strict=True)
+            ]
             table = []
             for r in shown:
                 ok = r["status"] == "ok"
@@ -301,8 +307,8 @@ def print_table(table_rows: list[dict], title: str, out=None) -> None:
 
 
 def write_csv(table_rows: list[dict], path: str) -> None:
-    cats = ordered({c for r in table_rows for c in r["breakdown_s"]})
-    pcats = ordered({c for r in table_rows for c in r["predicted_breakdown_s"]})
+    cats = ordered({c for r in table_rows for c in r["breakdown_s"]}, TABLE)
+    pcats = ordered({c for r in table_rows for c in r["predicted_breakdown_s"]}, TABLE)
     arg_names = list(dict.fromkeys(k for r in table_rows for k in r["args"]))
     cols = ["label", "series", "proxy", "scaling", "ranks", "status", "repeats", "iter_time_s"]
     cols += ["iter_time_min_s", "iter_time_median_s", "iter_time_max_s"]
@@ -435,7 +441,9 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
 
     bars = [r for r in done if shown_breakdown(r)]
     cats = [
-        c for c in ordered({c for r in bars for c in shown_breakdown(r)}) if not c.endswith(HIDDEN)
+        c
+        for c in ordered({c for r in bars for c in shown_breakdown(r)}, TABLE)
+        if not c.endswith(HIDDEN)
     ]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4.5))
     xs = range(len(bars))
@@ -448,7 +456,7 @@ def plot(table_rows: list[dict], directory: str, title: str) -> list[str]:
             bottom=bottom,
             color=colour,
             hatch=hatch or None,
-            label=category_label(c).split(" (")[0],
+            label=category_label(c, TABLE).split(" (")[0],
         )
         for patch, r in zip(drawn, bars, strict=True):
             if r["predicted"]:

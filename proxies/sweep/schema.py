@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from proxies.core.cli import PREDICT_DETAILS
 from proxies.sweep import expr, machines, yamlfile
+from proxies.sweep.launchers import template
 from proxies.sweep.proxyargs import installed, lookup, proxies
 
 RUN_KEYS = {
@@ -229,8 +230,6 @@ def from_dict(data: object, path: str) -> Sweep:
     if not NAME_RE.match(name):
         fail("name", f"{name!r}: use letters, digits, '.', '_', '-' (it names a directory)")
     launcher = get(data, "launcher", str, "mpiexec", fail)
-    from proxies.sweep.launch import template  # launch imports schema's types
-
     try:
         template(launcher)
     except ValueError as e:

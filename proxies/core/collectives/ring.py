@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from proxies.collectives.common import TAG, bounds
-from proxies.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.common import TAG, bounds
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
 
 TAG_RS, TAG_AG = TAG + 10, TAG + 11
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from proxies.collectives.common import TAG, bounds
-from proxies.collectives.program import EMPTY, Builder, Program, S
-from proxies.collectives.rhd import doubling, fold, rank_of, virtual, virtual_blocks
+from proxies.core.collectives.common import TAG, bounds
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.rhd import doubling, fold, rank_of, virtual, virtual_blocks
 
 TAG_FOLD, TAG_RD, TAG_AG_FOLD, TAG_AG = TAG + 60, TAG + 61, TAG + 62, TAG + 63
 

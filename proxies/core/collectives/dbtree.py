@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from proxies.collectives.common import TAG, bounds
-from proxies.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.common import TAG, bounds
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
 
 # Pipeline: in K chunks a phase takes K + h - 1 steps over a tree of h hops, each step
 # costing chunk / bandwidth + o (o: the per-message overhead). For S bytes that is least

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from proxies.collectives import alltoall, dbtree, hier, naive, rd, rhd, ring, tree
-from proxies.collectives.coarse import Phase, coarse
-from proxies.collectives.program import ADD, COPY, RECV, SEND, WAIT, Program
+from proxies.core.collectives import alltoall, dbtree, hier, naive, rd, rhd, ring, tree
+from proxies.core.collectives.coarse import Phase, coarse
+from proxies.core.collectives.program import ADD, COPY, RECV, SEND, WAIT, Program
 
 __all__ = ["KINDS", "PROGRAMS", "Phase", "algorithms", "coarse", "program", "trace"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from proxies.collectives.common import TAG, bounds
-from proxies.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.common import TAG, bounds
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
 
 TAG_FOLD, TAG_RS, TAG_AG = TAG + 40, TAG + 41, TAG + 42
 TAG_RH_FOLD, TAG_RH = TAG + 43, TAG + 44  # reduce_scatter's recursive halving

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from proxies.collectives.common import TAG
-from proxies.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.common import TAG
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
 
 TAG_UP, TAG_DOWN = TAG + 20, TAG + 21
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from proxies.collectives import ring, tree
-from proxies.collectives.program import EMPTY, Builder, Program
+from proxies.core.collectives import ring, tree
+from proxies.core.collectives.program import EMPTY, Builder, Program
 
 _keyval = None
 

@@ -2,7 +2,7 @@
 
 Every algorithm of this package is a pure function (n, r, count, ...) -> Program: rank r's
 instructions for a group of n ranks and a buffer of `count` elements. The interpreter
-(`execute`) runs any program over mpi4py; `proxies.collectives.steps.trace` reads the same
+(`execute`) runs any program over mpi4py; `proxies.core.collectives.steps.trace` reads the same
 programs for the predictor. So what is executed and what is priced cannot drift apart.
 
 Instruction set (tuples, first field the opcode; element ranges [lo, hi) are half-open):
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proxies.collectives.common import Wait, scratch, words
+from proxies.core.collectives.common import Wait, scratch, words
 
 SEND, RECV, WAIT, ADD, COPY = range(5)
 X, S = 0, 1  # the caller's buffer, the scratch buffer

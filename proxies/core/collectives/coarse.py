@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from proxies.collectives import dbtree, hier
-from proxies.collectives.common import bounds
-from proxies.collectives.program import ADD, RECV, SEND, WAIT
-from proxies.collectives.rhd import fold, rank_of, virtual_blocks
+from proxies.core.collectives import dbtree, hier
+from proxies.core.collectives.common import bounds
+from proxies.core.collectives.program import ADD, RECV, SEND, WAIT
+from proxies.core.collectives.rhd import fold, rank_of, virtual_blocks
 
 Alpha = Callable[[int, int], float]
 

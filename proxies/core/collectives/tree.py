@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from proxies.collectives.common import TAG
-from proxies.collectives.program import EMPTY, Builder, Program, S
+from proxies.core.collectives.common import TAG
+from proxies.core.collectives.program import EMPTY, Builder, Program, S
 
 TAG_UP, TAG_DOWN = TAG + 30, TAG + 31
 
