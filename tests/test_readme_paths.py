@@ -10,7 +10,7 @@ from launch import ROOT
 README = open(os.path.join(ROOT, "README.md")).read()
 TOP = ("proxies/", "configs/", "benchmarks/", "tests/", ".ci/")
 # Paths the README names as outputs or placeholders, not files of the checkout.
-MADE = ("results/", "proxies/<model>/")
+MADE = ("results/", "proxies/<model>/", "proxies/toy/")  # toy: "Adding a proxy"'s example
 OTHER = ("proxies/comm_only/",)  # spcl/DNN-cpp-proxies' files, cited as that project's
 
 
