@@ -65,8 +65,10 @@ if sys.path[0] != ROOT:
 if TESTS not in sys.path:
     sys.path.append(TESTS)
 
+from proxies import registry  # noqa: E402  (this checkout's, after the path above)
+
 FORMAT = 1
-PROXIES = ("gpt2", "gpt3", "cosmoflow", "dlrm")
+PROXIES = tuple(registry.PROXIES)  # every registered proxy
 # Compare request names only up to a consistent renaming, per proxy. The transformer
 # restructure may rename CosmoFlow's requests (and nothing else): turn it on then.
 IGNORE_REQUEST_NAMES = {"gpt2": False, "gpt3": False, "cosmoflow": False, "dlrm": False}
