@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxies.core.grads import Flat, GradSync, Unit, buckets, merge_ranges
+from proxies.core.grads import POLICIES, Flat, GradSync, Unit, buckets, merge_ranges
 from proxies.core.plan import Collective, Compute, Span, Wait
 
 # Four units in backward order over one flat array of 100 elements: sizes 10, 30, 20, 40,
@@ -124,3 +124,62 @@ def test_no_group_to_reduce_over():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown gradient sync policy"):
         GradSync("ring", [])
+
+
+def test_whole_arrays_one_per_unit_named_requests():
+    # CosmoFlow / DLRM: an array per layer, each unit posted on its own (size 0), keyed by
+    # the array's name alone (mb -1), with the front end's request names and category
+    flats = [
+        Flat(f"conv{l}.grads", "world", 10 * (l + 1), "conv_allreduce", whole=True, req=f"conv{l}")
+        for l in range(3)
+    ]
+    units = [Unit(l, ((f"conv{l}.grads", 0, 10 * (l + 1)),)) for l in (2, 1, 0)]
+    sync = GradSync("buckets", flats, units, bucket=0)
+    assert sync.overlaps
+    assert sync.after([2]) == [
+        Collective("allreduce", "world", "conv2.grads", 30, req="conv2", category="conv_allreduce")
+    ]
+    assert sync.after([1]) + sync.after([0]) == [
+        Collective(
+            "allreduce", "world", f"conv{l}.grads", n, req=f"conv{l}", category="conv_allreduce"
+        )
+        for l, n in ((1, 20), (0, 10))
+    ]
+    step = Compute("optimizer", flops=12.0)
+    assert sync.end(optimizer=step) == [Wait("conv2"), Wait("conv1"), Wait("conv0"), step]
+
+
+def test_whole_array_bucketed_and_numbered_requests():
+    # whole with a bucket: the units' ranges summed into one allreduce of the array (DLRM
+    # without --overlap: one MLP's layers, posted after the last); "{group}{n}" numbering
+    units = [Unit(k, (("g", 4 * k, 4 * k + 4),)) for k in (2, 1, 0)]
+    sync = GradSync("buckets", [Flat("g", "dp", 12, whole=True)], units, bucket=10**9)
+    assert sync.after([2]) == sync.after([1]) == []
+    assert sync.after([0]) == [Collective("allreduce", "dp", "g", 12, req="dp0")]
+    named = Flat("g", "dp", 12, whole=True, req="mlp{n}")
+    sync = GradSync("buckets", [named], units, bucket=0)
+    assert [c.req for k in (2, 1, 0) for c in sync.after([k])] == ["mlp0", "mlp1", "mlp2"]
+
+
+def test_category_on_span_and_index_keys():
+    units = [Unit(0, (("g", 0, 5),))]
+    for span in (True, False):
+        sync = GradSync("buckets", [Flat("g", "dp", 5, "grads_ar", span=span)], units)
+        assert [c.category for c in sync.after([0])] == ["grads_ar"]
+
+
+def test_a_fixed_request_name_posted_twice_is_an_error():
+    units = [Unit(k, (("g", k, k + 1),)) for k in range(2)]
+    sync = GradSync("buckets", [Flat("g", "dp", 2, whole=True, req="g")], units, bucket=0)
+    sync.after([0])
+    with pytest.raises(ValueError, match="posted twice"):
+        sync.after([1])
+
+
+def test_the_front_ends_optimizer_op_in_every_policy():
+    step = Compute("optimizer", flops=3.0)
+    flat = Flat("g", "dp", 4, tensors=(("grad:a", 4),))
+    for policy in POLICIES:
+        ops = GradSync(policy, [flat], [Unit(0, (("g", 0, 4),))]).end(optimizer=step)
+        assert [op for op in ops if isinstance(op, Compute)] == [step]
+        assert GradSync(policy, []).end(optimizer=step) == [step]

@@ -13,7 +13,8 @@ its ranges of those arrays. `GradSync` then answers, as data the plan builder sp
 
 Policies: fused (one allreduce of each flat array after the backward), per-tensor (one per
 parameter tensor), buckets (consecutive units closed at a size, posted as soon as their
-last unit is done: PyTorch DDP, Megatron's overlap_grad_reduce), zero1 (ZeRO stage 1:
+last unit is done: PyTorch DDP, Megatron's overlap_grad_reduce; size 0: each unit posted
+on its own, as CosmoFlow's and DLRM's per-layer allreduces), zero1 (ZeRO stage 1:
 reduce-scatter, the optimizer on this rank's shard, allgather of the parameters).
 """
 
@@ -34,7 +35,12 @@ class Flat:
     Bucket keys: span=True, one allreduce per contiguous range, keyed Span(name, lo, hi)
     (the runtime slices it) and requests numbered per allreduce; span=False, one allreduce
     per bucket, keyed `name` with the bucket index as its micro-batch (the runtime looks the
-    range up) and requests numbered by bucket. Requests are "<group><number>"."""
+    range up) and requests numbered by bucket; whole=True (over span), one allreduce per
+    bucket keyed `name` alone: the runtime's array is the bucket (CosmoFlow's conv layers,
+    DLRM's MLP layers: one array, one unit each), numbered per allreduce.
+
+    Requests are `req` formatted with {group} and {n} (the number above): "<group><n>" by
+    default; a name without {n} suits a flat posted once (a repeat in flight is an error)."""
 
     name: str
     group: str
@@ -43,6 +49,11 @@ class Flat:
     span: bool = True
     tensors: tuple[tuple[str, int], ...] = ()  # per-tensor: (buffer key, elements) each
     params: str = "params"  # zero1: the parameter array allgathered after the step
+    whole: bool = False
+    req: str = "{group}{n}"
+
+    def request(self, n: int) -> str:
+        return self.req.format(group=self.group, n=n)
 
 
 @dataclass(frozen=True)
@@ -130,27 +141,29 @@ class GradSync:
             if f is None:
                 continue
             cat = f.category or f"{f.group}_allreduce"
-            if f.span:
+            if f.span and not f.whole:
                 for lo, hi in rs:
-                    req = f"{f.group}{self._counter[name]}"
+                    req = f.request(self._counter[name])
                     self._counter[name] += 1
                     out.append(
-                        Collective("allreduce", f.group, Span(name, lo, hi), hi - lo, req=req)
-                    )
-            else:
-                count = sum(hi - lo for lo, hi in rs)
-                if count:
-                    out.append(
                         Collective(
-                            "allreduce",
-                            f.group,
-                            name,
-                            count,
-                            mb=k,
-                            req=f"{f.group}{k}",
-                            category=cat,
+                            "allreduce", f.group, Span(name, lo, hi), hi - lo, req=req, category=cat
                         )
                     )
+                continue
+            count = sum(hi - lo for lo, hi in rs)
+            if not count:
+                continue
+            if f.whole:
+                req = f.request(self._counter[name])
+                self._counter[name] += 1
+                out.append(Collective("allreduce", f.group, name, count, req=req, category=cat))
+            else:
+                out.append(
+                    Collective(
+                        "allreduce", f.group, name, count, mb=k, req=f.request(k), category=cat
+                    )
+                )
         return out
 
     def after(self, keys: Iterable[Hashable]) -> list[Op]:
@@ -160,21 +173,25 @@ class GradSync:
         for key in keys:
             for k in self._closes.get(key, ()):
                 for coll in self.bucket_ops(k):
+                    if coll.req in self._pending:
+                        raise ValueError(f"request {coll.req!r} posted twice before its Wait")
                     if self.inflight and len(self._pending) >= self.inflight:
                         ops.append(Wait(self._pending.pop(0)))
                     ops.append(coll)
                     self._pending.append(coll.req)
         return ops
 
-    def end(self, extra: Sequence[Op] = ()) -> list[Op]:
+    def end(self, extra: Sequence[Op] = (), optimizer: Compute | None = None) -> list[Op]:
         """After the backward: complete the gradient sync, then `extra` (other reductions the
-        optimizer needs), then the optimizer. ZeRO-1 runs `extra` first: its shards split
-        the arrays those reductions write."""
+        optimizer needs), then the optimizer (`optimizer`: the front end's op, with its
+        work; a bare Compute("optimizer") by default). ZeRO-1 runs `extra` first: its shards
+        split the arrays those reductions write."""
+        step = optimizer if optimizer is not None else Compute("optimizer")
         flats = list(self.flats.values())
         if self.policy == "zero1" and flats:
             ops: list[Op] = list(extra)
             ops += [Collective("reduce_scatter", f.group, f.name, f.size) for f in flats]
-            ops.append(Compute("optimizer"))
+            ops.append(step)
             ops += [Collective("allgather", f.group, f.params, f.size) for f in flats]
             return ops
         ops = []
@@ -188,4 +205,4 @@ class GradSync:
             ]
         ops += [Wait(req) for req in self._pending]
         self._pending = []
-        return ops + list(extra) + [Compute("optimizer")]
+        return ops + list(extra) + [step]

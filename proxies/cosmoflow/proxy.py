@@ -36,8 +36,9 @@ import dataclasses
 import numpy as np
 
 from proxies.core import check, cli, runner
+from proxies.core.grads import Flat, GradSync, Unit
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
 from proxies.cosmoflow import SPEC
 from proxies.cosmoflow.config import (
     CPP_BWD_US,
@@ -447,38 +448,39 @@ def make_job(args, world: int) -> runner.Job:
             ops.append(compute(f"dense{k}.backward", 2 * dense_flops(cfg, shards, k, B, s)))
             if S > 1 and split:
                 ops.append(dense("reduce_scatter", k, f"dense{k}.din"))
-        reqs = []
-        # split: each slice over the replicas holding it; replicated: over every rank, as the
-        # reference's Horovod allreduce (the optimizer scales the sum by 1/S)
+        # The gradient sync (core/grads.py): every unit on its own (buckets of size 0), each
+        # its own array keyed by name. The dense slice: split, over the replicas holding it;
+        # replicated, over every rank, as the reference's Horovod allreduce (the optimizer
+        # scales the sum by 1/S). The conv layers: over every rank.
         group, members = ("dp", dp) if split else ("world", world)
         n = sum(cfg.dense_params(k, S, s) for k in range(nd))
+        flats = []
         if members > 1 and n:
-            ops.append(
-                Collective(
-                    "allreduce", group, "dense.grads", n, req="dense", category="dense_allreduce"
+            flats.append(Flat("dense.grads", group, n, "dense_allreduce", whole=True, req="dense"))
+        if world > 1:
+            flats += [
+                Flat(
+                    f"conv{l}.grads",
+                    "world",
+                    cfg.conv_params(l),
+                    "conv_allreduce",
+                    whole=True,
+                    req=f"conv{l}",
                 )
-            )
-            reqs.append("dense")
+                for l in range(L)
+            ]
+        units = [Unit("dense", (("dense.grads", 0, n),))]
+        units += [Unit(l, ((f"conv{l}.grads", 0, cfg.conv_params(l)),)) for l in reversed(range(L))]
+        sync = GradSync("buckets", flats, units, bucket=0)
+        ops += sync.after(["dense"])
         for l in reversed(range(L)):
             ops.append(compute(f"conv{l}.backward_weights", conv_flops(cfg, shards, l, B)))
-            if world > 1:
-                ops.append(
-                    Collective(
-                        "allreduce",
-                        "world",
-                        f"conv{l}.grads",
-                        cfg.conv_params(l),
-                        req=f"conv{l}",
-                        category="conv_allreduce",
-                    )
-                )
-                reqs.append(f"conv{l}")
+            ops += sync.after([l])
             if l:
                 if op := halo_op(rank, l, "backward"):
                     ops.append(op)
                 ops.append(compute(f"conv{l}.backward_data", conv_flops(cfg, shards, l, B)))
-        ops += [Wait(r) for r in reqs]
-        ops.append(Compute("optimizer"))
+        ops += sync.end()
         return Plan(rank, tuple(ops), groups, c)
 
     def label(rank: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxies.core.grads import Flat, GradSync, Unit
 from proxies.core.plan import Collective, Compute, Op, Wait
 from proxies.dlrm.config import PRESETS, DLRMConfig
 from proxies.dlrm.sharding import owned_shards, slots
@@ -128,7 +129,17 @@ def plan_ops(
     row = layout.kind == "row"
     fwd_kind, bwd_kind = ("reduce_scatter", "allgather") if row else ("alltoall", "alltoall")
     ops: list[Op] = []
-    waits: list[Wait] = []
+    # The MLPs' gradient sync (core/grads.py), every unit posted on its own (buckets of size
+    # 0) as soon as its backward is done. --overlap: a unit and an array per layer, keyed
+    # "grad:<mlp>.<l>"; else one per MLP, "grad:<mlp>", after its last layer's backward.
+    flats, units = [], []
+    for mlp in ("top", "bottom"):  # backward order
+        sizes = DLRMConfig.layer_params(mlps[mlp])
+        parts = [(f"{mlp}.{l}", sizes[l]) for l in reversed(range(len(sizes)))]
+        for name, size in parts if overlap else [(mlp, sum(sizes))]:
+            flats.append(Flat(f"grad:{name}", "dp", size, whole=True, req=name))
+            units.append(Unit(name, ((f"grad:{name}", 0, size),)))
+    sync = GradSync("buckets", flats if comm else [], units, bucket=0)
 
     def emb_exchange(buf: str, kind: str) -> None:
         """The pooled bags (forward) or their gradients (backward)."""
@@ -139,14 +150,8 @@ def plan_ops(
         sizes = DLRMConfig.layer_params(mlps[mlp])
         for l in reversed(range(len(sizes))):
             ops.append(c[f"{mlp}.{l} backward"])
-            if comm and overlap:  # this layer's gradients are final: start their allreduce
-                ops.append(
-                    Collective("allreduce", "dp", f"grad:{mlp}.{l}", sizes[l], req=f"{mlp}.{l}")
-                )
-                waits.append(Wait(f"{mlp}.{l}"))
-        if comm and not overlap:
-            ops.append(Collective("allreduce", "dp", f"grad:{mlp}", sum(sizes), req=mlp))
-            waits.append(Wait(mlp))
+            ops.extend(sync.after([f"{mlp}.{l}"]))  # --overlap: this layer's gradients are final
+        ops.extend(sync.after([mlp]))  # else the whole MLP's
 
     # forward
     if row:
@@ -179,6 +184,4 @@ def plan_ops(
     if not overlap:
         emb_exchange("emb_bwd", bwd_kind)
     ops.append(c["emb backward"])
-    ops += waits
-    ops.append(c["optimizer"])
-    return ops
+    return ops + sync.end(optimizer=c["optimizer"])
