@@ -35,11 +35,10 @@ from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
-from proxies.core.tables import si_count
 from proxies.gpt3 import SPEC
 from proxies.gpt3.memory import estimate as estimate_memory
-from proxies.transformer import options
-from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
+from proxies.transformer import describe, options
+from proxies.transformer.data import batch
 from proxies.transformer.layout import Layout
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.plan import reductions as _reductions  # the runtime's bucket ranges
@@ -311,6 +310,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         bucket,
         args.inflight_buckets,
         args.layers_only,
+        model=args.model,
+        schedule=schedule,
     )
     try:
         SCHEDULES[schedule](pp, m, 0, v)
@@ -458,17 +459,9 @@ class GPT3Runtime:
 
 
 def make_job(args, world: int) -> runner.Job:
-    S, grid, extra = resolve(args, world)
-    schedule = extra["schedule"]
-    cfg = S.cfg
-    source = None
-    if args.data and not args.dry_run:
-        try:
-            source = TokenFile(args.data, cfg.vocab_size, S.T)
-        except DataError as e:
-            raise cli.UsageError(str(e)) from None
-    elif not args.data:
-        source = Synthetic(args.seed, cfg.vocab_size, S.T)
+    S, grid, _ = resolve(args, world)
+    schedule = S.schedule
+    source = options.token_source(args, S.cfg.vocab_size, S.T)
     plan = gpt3_plans(S, grid, schedule)
 
     def label(rank: int) -> str:
@@ -486,8 +479,16 @@ def make_job(args, world: int) -> runner.Job:
         dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
         return GPT3Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, args, source, mode)
 
-    config = config_dict(args, S, grid, schedule)
-    header = header_lines(args, S, grid, schedule, source)
+    config = describe.config(S, grid, args, own_config(S), data="synthetic")
+    header = describe.header(
+        PROG,
+        S,
+        grid,
+        args,
+        source,
+        model_extra=moe_text(S),
+        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
+    )
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
     return runner.Job(
         prog=PROG,
@@ -515,74 +516,36 @@ def make_job(args, world: int) -> runner.Job:
     )
 
 
-def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:
-    cfg = S.cfg
+def own_config(S: Setup) -> dict:
+    """GPT-3's keys of the JSON config: tensor, sequence and expert parallelism, chunks,
+    the padded vocabulary and the gradient buckets."""
     moe = S.moe
     return {
-        "model": args.model,
-        "layers": cfg.n_layer,
-        "stages": S.pp,
         "tp": S.tp,
-        "dp": S.dp,
         "virtual_stages": S.v,
-        "micro_batches": S.m,
-        "micro_batch": S.B,
-        "seq_len": S.T,
         "sequence_parallel": S.sp,
-        "n_embd": cfg.n_embd,
-        "n_head": cfg.n_head,
-        "vocab_size": cfg.vocab_size,
         "vocab_padded": S.vocab,
-        "params": cfg.num_params,
         "moe_experts": moe.experts if moe else 0,
         "moe_top_k": moe.top_k if moe else None,
         "capacity_factor": moe.capacity_factor if moe else None,
         "moe_ffn_hidden": moe.ffn_hidden if moe else None,
         "ep": moe.ep if moe else 1,
-        "schedule": schedule,
-        "order": grid.order,
-        "global_batch": S.B * S.m * S.dp,
         "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
-        "compute": args.compute,
-        "device_tflops": args.device_tflops,
-        "lr": args.lr,
-        "weight_decay": args.weight_decay,
-        "seed": args.seed,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "data": args.data or "synthetic",
-        "check": args.check,
-        "allreduce": args.allreduce,
-        "layers_per_stage": [sum(len(ch.layers) for ch in S.chunks(s)) for s in range(S.pp)],
     }
 
 
-def header_lines(args, S: Setup, grid: ProcessGrid, schedule: str, source) -> list[str]:
-    cfg, moe = S.cfg, S.moe
-    per = sorted({sum(len(ch.layers) for ch in S.chunks(s)) for s in range(S.pp)})
-    moe_txt = ""
-    if moe:
-        moe_txt = (
-            f" · MoE: {moe.experts} experts of width {moe.ffn_hidden}, top-{moe.top_k}, "
-            f"capacity factor {moe.capacity_factor:g} ({moe.capacity(S.N)} slots per expert), "
-            f"ep {moe.ep}"
-        )
-    data = source.describe() if source is not None else args.data
-    return [
-        f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, "
-        f"V={cfg.vocab_size} padded to {S.vocab}) · {cfg.n_layer} layers = "
-        f"{cfg.num_params:,} parameters ({si_count(cfg.num_params)})" + moe_txt,
-        f"grid: tp {S.tp} x pp {S.pp} x dp {S.dp} (order {grid.order}) · layers per stage "
-        + "-".join(map(str, per))
-        + (f" in {S.v} chunks" if S.v > 1 else "")
-        + f" · schedule {schedule} · {S.m} micro-batches of {S.B} x {S.T} tokens (global "
-        f"batch {S.B * S.m * S.dp} samples)" + (" · sequence parallel" if S.sp else ""),
-        f"messages: pipeline {S.act:,} floats ({4 * S.act:,} B) · TP collectives "
-        f"{S.N * cfg.n_embd:,} floats per layer part · data: {data} · iterations "
-        f"{args.warmup} warm-up + {args.iters} timed" + (" · layers only" if S.layers_only else ""),
-    ]
+def moe_text(S: Setup) -> str:
+    """The model line's MoE part (empty for dense layers)."""
+    moe = S.moe
+    if not moe:
+        return ""
+    return (
+        f" · MoE: {moe.experts} experts of width {moe.ffn_hidden}, top-{moe.top_k}, "
+        f"capacity factor {moe.capacity_factor:g} ({moe.capacity(S.N)} slots per expert), "
+        f"ep {moe.ep}"
+    )
 
 
 # ----------------------------------------------------------------------------------------

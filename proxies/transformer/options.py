@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from proxies.core import cli, memory
+from proxies.transformer.data import DataError, Synthetic, TokenFile
 
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
@@ -60,6 +61,20 @@ def add_training(p: argparse.ArgumentParser, lr: float, defaults_in_help: bool) 
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
+
+
+def token_source(args: argparse.Namespace, vocab: int, T: int, *, needed: bool = True):
+    """--data's token file (a dry run does not open it), else synthetic tokens from --seed;
+    None for a dry run with --data, or without --data when the run trains nothing
+    (`needed` False: gpt2's C++ schedule). A file that does not fit is a usage error."""
+    if args.data and not args.dry_run:
+        try:
+            return TokenFile(args.data, vocab, T)
+        except DataError as e:
+            raise cli.UsageError(str(e)) from None
+    if not args.data and needed:
+        return Synthetic(args.seed, vocab, T)
+    return None
 
 
 def bucket_elements(mb: float) -> int:
