@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
         "micro_batches",
         type=cli.positive_int,
         nargs="?",
-        default=8,
+        default=options.Default(8),
         metavar="MICROBATCHES",
         help="micro-batches per iteration per replica (default 8, as the C++ proxy)",
     )
@@ -68,18 +68,8 @@ def parser() -> argparse.ArgumentParser:
         f"({cpp.WIDTHS} widths, 36 layers), whose defaults are --seq-len 632 --micro-batch 1 "
         "--schedule cpp --compute none",
     )
-    p.add_argument(
-        "--seq-len",
-        type=cli.positive_int,
-        metavar="T",
-        help=f"tokens per sample (default 64; 632 for {cpp.PRESET})",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=cli.positive_int,
-        metavar="B",
-        help="samples per micro-batch (default 1)",
-    )
+    options.add_seq_len(p, f"tokens per sample (default 64; 632 for {cpp.PRESET})")
+    options.add_micro_batch(p, "samples per micro-batch (default 1)")
     p.add_argument(
         "--schedule",
         choices=("1f1b", "gpipe", "cpp"),
@@ -88,11 +78,9 @@ def parser() -> argparse.ArgumentParser:
         "messages, one blocking allreduce per layer, no tied-embedding allreduce; "
         f"communication only; the default of --model {cpp.PRESET})",
     )
-    p.add_argument(
-        "--order",
-        default="cpp",
-        metavar="ORDER",
-        help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
+    options.add_order(
+        p,
+        "rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
         "STAGES, as the C++ proxy; the default), megatron = dp-pp (stage = rank // DP)",
     )
     p.add_argument(
@@ -122,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
     options.add_training(p, lr=1e-3, defaults_in_help=True)
+    options.add_megatron(p)
     cli.add_common(
         p,
         compute=None,  # resolved in make_job (cpp.resolve): real, or none for --schedule cpp
@@ -246,7 +235,9 @@ class GPT2Runtime:
 def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """The options checked against each other and the world size, as one frozen Setup (tp =
     v = 1, no sequence parallelism or MoE); UsageError names the rule."""
+    options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
+    options.megatron_batch(args, world, args.stages, "MICROBATCHES")
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len

@@ -71,26 +71,21 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL,
         help="preset widths (Brown et al. 2020); gpt3-tiny (C=64) for tests",
     )
-    p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel degree")
     p.add_argument(
-        "--micro-batch",
+        "--tp",
+        "--tensor-model-parallel-size",
         type=cli.positive_int,
         default=1,
-        metavar="B",
-        help="samples per micro-batch",
+        help="tensor-parallel degree",
     )
+    options.add_micro_batch(p, "samples per micro-batch", default=1)
     p.add_argument(
         "--micro-batches",
         type=cli.positive_int,
         metavar="M",
         help="micro-batches per iteration per replica (default 2 x STAGES, as the C++ proxy)",
     )
-    p.add_argument(
-        "--seq-len",
-        type=cli.positive_int,
-        metavar="T",
-        help="tokens per sample (default: the preset's context, 2048)",
-    )
+    options.add_seq_len(p, "tokens per sample (default: the preset's context, 2048)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -108,20 +103,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--virtual-stages",
         type=cli.positive_int,
-        default=1,
+        default=options.Default(1),
         metavar="V",
         help="model chunks per rank (interleaved schedule; > 1 selects it)",
     )
-    p.add_argument(
-        "--order",
-        default="cpp",
-        metavar="ORDER",
-        help="rank order, fastest dimension first: cpp = pp-tp-ep-dp (stage = rank %% "
+    options.add_order(
+        p,
+        "rank order, fastest dimension first: cpp = pp-tp-ep-dp (stage = rank %% "
         "STAGES, as the C++ proxy), megatron = tp-ep-dp-pp, or explicit like tp-pp-dp",
     )
     g = p.add_argument_group("mixture of experts")
     g.add_argument(
         "--moe-experts",
+        "--num-experts",
         type=cli.nonneg_int,
         default=0,
         metavar="E",
@@ -150,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--ep",
+        "--expert-model-parallel-size",
         type=cli.positive_int,
         metavar="EP",
         help="expert-parallel degree, a divisor of DP (default gcd(E, DP)); experts are "
@@ -193,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
         "pattern (compute model/none only)",
     )
     options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
+    options.add_megatron(p, virtual=True)
     tflops = cpp_device_tflops()
     cli.add_common(
         p,
@@ -217,9 +213,12 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     """Check the options against each other and the world size; UsageError names the rule."""
+    options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
-    pp, tp, v, B = args.stages, args.tp, args.virtual_stages, args.micro_batch
+    pp, tp, B = args.stages, args.tp, args.micro_batch
+    options.megatron_batch(args, world, tp * pp, "--micro-batches")
+    v = options.megatron_virtual(args, L, pp)
     T = args.seq_len or cfg.max_seq_len
     m = args.micro_batches or 2 * pp
     err = cli.UsageError
