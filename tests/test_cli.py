@@ -22,6 +22,8 @@ CASES = [
     (2, ["4", "--device-tflops", "-1"], ["--device-tflops", "TFLOP/s from"]),
     (2, ["4", "--world-size", "8"], ["--world-size only goes with --dry-run"]),
     (2, ["4", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (2, ["8", "2", "--num-layers", "6"], ["--num-layers 6 and LAYERS = 8 differ"]),
+    (2, ["4", "--global-batch-size", "3", "--micro-batch-size", "2"], ["not a multiple of"]),
 ]
 
 

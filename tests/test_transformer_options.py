@@ -48,3 +48,113 @@ def test_gpt3_bucket_mb_is_dp_bucket_in_mib():
 def test_gpt3_bucket_units_refuse_both():
     with pytest.raises(UsageError, match="--bucket-mb and --dp-bucket"):
         gpt3_plan(["--bucket-mb", "1", "--dp-bucket", "5"])
+
+
+# -- Megatron-LM's names: the same plan as the native option, conflicts refused -----------
+
+import proxies.gpt2.proxy as gpt2  # noqa: E402
+import proxies.gpt3.proxy as gpt3  # noqa: E402
+
+
+def plans(module, argv: list[str], world: int) -> tuple[list, dict]:
+    job = module.make_job(module.parser().parse_args(argv), world)
+    ranks = sorted({0, world // 2, world - 1})
+    return [job.plan(r).ops for r in ranks], job.config
+
+
+GPT2_TINY = ["--compute", "none", "--seq-len", "16"]
+GPT3_TINY = ["--model", "gpt3-tiny", "--compute", "none", "--seq-len", "16"]
+
+ALIASES = [
+    # (module, world, native argv, Megatron argv)
+    (gpt2, 4, ["8", "2"], ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]),
+    (gpt2, 4, ["8", "2", "4"], ["8", "2", "--global-batch-size", "8"]),  # 4 x 1 x dp 2
+    (gpt2, 4, ["8", "2", "--micro-batch", "2"], ["8", "2", "--micro-batch-size", "2"]),
+    (gpt2, 4, ["8", "2", "--seq-len", "8"], ["8", "2", "--seq-length", "8"]),
+    (
+        gpt3,
+        8,
+        ["4", "2", "--tp", "2"],
+        [
+            "--num-layers",
+            "4",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+        ],
+    ),
+    (gpt3, 8, ["4", "2", "--tp", "2"], ["4", "--pipeline-model-parallel-size", "2", "--tp", "2"]),
+    (gpt3, 8, ["4", "2", "--micro-batches", "6"], ["4", "2", "--global-batch-size", "24"]),
+    (
+        gpt3,
+        4,
+        ["4", "2", "--virtual-stages", "2", "--micro-batches", "4"],
+        ["4", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batches", "4"],
+    ),
+    (
+        gpt3,
+        4,
+        ["2", "1", "--moe-experts", "4", "--ep", "2"],
+        ["2", "1", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "module,world,native,alias",
+    ALIASES,
+    ids=[" ".join(a[3]) for a in ALIASES],
+)
+def test_megatron_name_gives_the_native_plan(module, world, native, alias):
+    tiny = GPT2_TINY if module is gpt2 else GPT3_TINY
+    ops, config = plans(module, native + tiny, world)
+    ops_alias, config_alias = plans(module, alias + tiny, world)
+    assert ops_alias == ops and config_alias == config
+
+
+CONFLICTS = [
+    (gpt2, 4, ["8", "2", "--num-layers", "6"], "--num-layers 6 and LAYERS = 8 differ"),
+    (gpt2, 4, ["8", "2", "--pipeline-model-parallel-size", "4"], "and STAGES = 2 differ"),
+    (gpt2, 4, ["8", "2", "--global-batch-size", "7"], "not a multiple of micro-batch 1 x"),
+    (gpt2, 4, ["8", "2", "3", "--global-batch-size", "8"], "not MICROBATCHES 3"),
+    (gpt3, 4, ["4", "2", "--micro-batches", "3", "--global-batch-size", "8"], "not --micro-"),
+    (gpt3, 4, ["4", "2", "--num-layers-per-virtual-pipeline-stage", "3"], "does not divide"),
+    (gpt3, 4, ["5", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "multiple of STAGES"),
+    (
+        gpt3,
+        4,
+        ["4", "2", "--virtual-stages", "1", "--num-layers-per-virtual-pipeline-stage", "1"],
+        "2 virtual stages, not --virtual-stages 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "module,world,argv,words", CONFLICTS, ids=[" ".join(c[2]) for c in CONFLICTS]
+)
+def test_megatron_name_conflicts_are_usage_errors(module, world, argv, words):
+    tiny = GPT2_TINY if module is gpt2 else GPT3_TINY
+    with pytest.raises(UsageError, match=words.replace("-", "\\-")) as e:
+        module.make_job(module.parser().parse_args(argv + tiny), world)
+    assert "\n" not in str(e.value)
+
+
+def test_megatron_names_in_help():
+    for module, names in (
+        (gpt2, ["--num-layers", "--pipeline-model-parallel-size", "--global-batch-size"]),
+        (
+            gpt3,
+            [
+                "--tensor-model-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage",
+                "--num-experts",
+                "--expert-model-parallel-size",
+                "--make-vocab-size-divisible-by",
+                "--sequence-parallel",
+            ],
+        ),
+    ):
+        text = module.parser().format_help()
+        for name in names + ["--micro-batch-size", "--seq-length"]:
+            assert name in text, name

@@ -25,7 +25,7 @@ from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan, Span, block_range
 from proxies.gpt2 import SPEC, cpp
-from proxies.transformer import options
+from proxies.transformer import describe, options
 from proxies.transformer.config import (
     PRESETS,
     GPT2Config,
@@ -33,10 +33,11 @@ from proxies.transformer.config import (
     layout_size,
     stage_layout,
 )
-from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
+from proxies.transformer.data import batch
 from proxies.transformer.fast import adamw_update
 from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
 from proxies.transformer.plan import gpt2_plan
+from proxies.transformer.setup import Setup
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
         "micro_batches",
         type=cli.positive_int,
         nargs="?",
-        default=8,
+        default=options.Default(8),
         metavar="MICROBATCHES",
         help="micro-batches per iteration per replica (default 8, as the C++ proxy)",
     )
@@ -67,18 +68,8 @@ def parser() -> argparse.ArgumentParser:
         f"({cpp.WIDTHS} widths, 36 layers), whose defaults are --seq-len 632 --micro-batch 1 "
         "--schedule cpp --compute none",
     )
-    p.add_argument(
-        "--seq-len",
-        type=cli.positive_int,
-        metavar="T",
-        help=f"tokens per sample (default 64; 632 for {cpp.PRESET})",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=cli.positive_int,
-        metavar="B",
-        help="samples per micro-batch (default 1)",
-    )
+    options.add_seq_len(p, f"tokens per sample (default 64; 632 for {cpp.PRESET})")
+    options.add_micro_batch(p, "samples per micro-batch (default 1)")
     p.add_argument(
         "--schedule",
         choices=("1f1b", "gpipe", "cpp"),
@@ -87,11 +78,9 @@ def parser() -> argparse.ArgumentParser:
         "messages, one blocking allreduce per layer, no tied-embedding allreduce; "
         f"communication only; the default of --model {cpp.PRESET})",
     )
-    p.add_argument(
-        "--order",
-        default="cpp",
-        metavar="ORDER",
-        help="rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
+    options.add_order(
+        p,
+        "rank order, fastest dimension first: cpp = pp-dp (stage = rank %% "
         "STAGES, as the C++ proxy; the default), megatron = dp-pp (stage = rank // DP)",
     )
     p.add_argument(
@@ -121,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
     options.add_training(p, lr=1e-3, defaults_in_help=True)
+    options.add_megatron(p)
     cli.add_common(
         p,
         compute=None,  # resolved in make_job (cpp.resolve): real, or none for --schedule cpp
@@ -242,8 +232,12 @@ class GPT2Runtime:
         return out
 
 
-def make_job(args, world: int) -> runner.Job:
+def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
+    """The options checked against each other and the world size, as one frozen Setup (tp =
+    v = 1, no sequence parallelism or MoE); UsageError names the rule."""
+    options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
+    options.megatron_batch(args, world, args.stages, "MICROBATCHES")
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
@@ -267,27 +261,53 @@ def make_job(args, world: int) -> runner.Job:
             "--zero 1 reduce-scatters one fused buffer after the pipeline: it does not combine "
             "with --grad-sync buckets"
         )
-    if buckets and args.bucket_mb is None:
-        args.bucket_mb = DEFAULT_BUCKET_MB
+    bucket_mb = DEFAULT_BUCKET_MB if buckets and args.bucket_mb is None else args.bucket_mb
     dp = world // pp
     try:
         grid = ProcessGrid.create(args.order, pp=pp, dp=dp)
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
-    parity = args.schedule == "cpp"
-    source = None
-    if args.data and not args.dry_run:
-        try:
-            source = TokenFile(args.data, cfg.vocab_size, T)
-        except DataError as e:
-            raise cli.UsageError(str(e)) from None
-    elif not args.data and not parity:  # the C++ schedule trains nothing: no data
-        source = Synthetic(args.seed, cfg.vocab_size, T)
-    split = split_layers(L, pp)
-    act = B * T * cfg.n_embd
+    S = Setup(
+        cfg,
+        B,
+        T,
+        m,
+        tp=1,
+        pp=pp,
+        dp=dp,
+        v=1,
+        sp=False,
+        vocab=cfg.vocab_size,
+        split=tuple(split_layers(L, pp)),
+        bucket=options.bucket_elements(bucket_mb) if buckets else 0,
+        model=args.model,
+        schedule=args.schedule,
+        sync="zero1" if args.zero else args.grad_sync,
+        zero=args.zero,
+        bucket_mb=bucket_mb,
+    )
+    return S, grid
 
-    policy = "zero1" if args.zero else args.grad_sync
-    bucket = options.bucket_elements(args.bucket_mb) if buckets else 0
+
+def sync_text(S: Setup) -> str:
+    """The data-parallel gradient sync, as the header words it."""
+    if S.schedule == "cpp":
+        return "one blocking allreduce per layer (the C++ proxy's), no tied-embedding allreduce"
+    if S.zero and S.dp > 1:
+        return "ZeRO-1 (reduce-scatter, allgather)"
+    if S.sync == "buckets":
+        size = f"{S.bucket_mb:g} MiB" if S.bucket_mb else "one per layer"
+        return f"buckets ({size}) overlapping the last micro-batch's backward"
+    return S.sync
+
+
+def make_job(args, world: int) -> runner.Job:
+    S, grid = resolve(args, world)
+    cfg, split, pp, dp, m, B, T = S.cfg, list(S.split), S.pp, S.dp, S.m, S.B, S.T
+    parity = S.schedule == "cpp"
+    # The C++ schedule trains nothing: no data.
+    source = options.token_source(args, cfg.vocab_size, T, needed=not parity)
+    act = S.act
 
     def plan(rank: int) -> Plan:
         if parity:
@@ -296,7 +316,7 @@ def make_job(args, world: int) -> runner.Job:
             groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
             ops = cpp.cpp_ops(cfg, split[s], s, groups["pp"], m, act, dp)
             return Plan(rank, tuple(ops), groups, c)
-        return gpt2_plan(cfg, grid, split, rank, args.schedule, m, B, T, policy, bucket)
+        return gpt2_plan(cfg, grid, split, rank, S.schedule, m, B, T, S.sync, S.bucket)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]
@@ -309,57 +329,9 @@ def make_job(args, world: int) -> runner.Job:
         s = c["pp"]
         return GPT2Runtime(cfg, split[s], s == 0, s == pp - 1, args, dp, c["dp"], source, mode)
 
-    sizes = sorted({len(r) for r in split})
-    config = {
-        "model": args.model,
-        "layers": L,
-        "stages": pp,
-        "micro_batches": m,
-        "micro_batch": B,
-        "seq_len": T,
-        "n_embd": cfg.n_embd,
-        "n_head": cfg.n_head,
-        "vocab_size": cfg.vocab_size,
-        "params": cfg.num_params,
-        "schedule": args.schedule,
-        "order": grid.order,
-        "dp": dp,
-        "global_batch": B * m * dp,
-        "compute": args.compute,
-        "lr": args.lr,
-        "weight_decay": args.weight_decay,
-        "seed": args.seed,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "data": args.data or ("none" if parity else "synthetic"),
-        "check": args.check,
-        "allreduce": args.allreduce,
-        "grad_sync": args.grad_sync,
-        "bucket_mb": args.bucket_mb,
-        "zero": args.zero,
-        "device_tflops": args.device_tflops,
-        "layers_per_stage": [len(r) for r in split],
-    }
-    sync = args.grad_sync
-    if parity:
-        sync = "one blocking allreduce per layer (the C++ proxy's), no tied-embedding allreduce"
-    elif args.zero and dp > 1:
-        sync = "ZeRO-1 (reduce-scatter, allgather)"
-    elif buckets:
-        size = f"{args.bucket_mb:g} MiB" if args.bucket_mb else "one per layer"
-        sync = f"buckets ({size}) overlapping the last micro-batch's backward"
-    header = [
-        f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, V={cfg.vocab_size}) "
-        f"· {L} layers = {cfg.num_params / 1e6:,.1f}M parameters",
-        f"grid: {pp} pipeline stages x {dp} data-parallel (order {grid.order}) · layers per stage "
-        + ("-".join(map(str, sizes)) if len(sizes) > 1 else str(sizes[0]))
-        + f" · schedule {args.schedule} · {m} micro-batches of {B} x {T} tokens "
-        f"(global batch {B * m * dp} samples)",
-        f"messages: activation {act:,} floats ({act * 4:,} B); gradients per layer "
-        f"{cfg.layer_params:,} floats · gradient sync {sync} · data: "
-        + (source.describe() if source is not None else args.data or "none")
-        + f" · iterations {args.warmup} warm-up + {args.iters} timed",
-    ]
+    own = {"grad_sync": args.grad_sync, "bucket_mb": S.bucket_mb, "zero": S.zero}
+    config = describe.config(S, grid, args, own, data="none" if parity else "synthetic")
+    messages = f"gradients per layer {cfg.layer_params:,} floats · gradient sync {sync_text(S)}"
     return runner.Job(
         prog=PROG,
         proxy="gpt2",
@@ -368,7 +340,7 @@ def make_job(args, world: int) -> runner.Job:
         plan=plan,
         group_names=("pp", "dp", "embed"),
         label=label,
-        header=header,
+        header=describe.header(PROG, S, grid, args, source, messages=messages),
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,

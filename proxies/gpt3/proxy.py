@@ -35,11 +35,10 @@ from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Plan
 from proxies.core.schedules import SCHEDULES
-from proxies.core.tables import si_count
 from proxies.gpt3 import SPEC
 from proxies.gpt3.memory import estimate as estimate_memory
-from proxies.transformer import options
-from proxies.transformer.data import DataError, Synthetic, TokenFile, batch
+from proxies.transformer import describe, options
+from proxies.transformer.data import batch
 from proxies.transformer.layout import Layout
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.plan import reductions as _reductions  # the runtime's bucket ranges
@@ -72,26 +71,21 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL,
         help="preset widths (Brown et al. 2020); gpt3-tiny (C=64) for tests",
     )
-    p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel degree")
     p.add_argument(
-        "--micro-batch",
+        "--tp",
+        "--tensor-model-parallel-size",
         type=cli.positive_int,
         default=1,
-        metavar="B",
-        help="samples per micro-batch",
+        help="tensor-parallel degree",
     )
+    options.add_micro_batch(p, "samples per micro-batch", default=1)
     p.add_argument(
         "--micro-batches",
         type=cli.positive_int,
         metavar="M",
         help="micro-batches per iteration per replica (default 2 x STAGES, as the C++ proxy)",
     )
-    p.add_argument(
-        "--seq-len",
-        type=cli.positive_int,
-        metavar="T",
-        help="tokens per sample (default: the preset's context, 2048)",
-    )
+    options.add_seq_len(p, "tokens per sample (default: the preset's context, 2048)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -109,20 +103,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--virtual-stages",
         type=cli.positive_int,
-        default=1,
+        default=options.Default(1),
         metavar="V",
         help="model chunks per rank (interleaved schedule; > 1 selects it)",
     )
-    p.add_argument(
-        "--order",
-        default="cpp",
-        metavar="ORDER",
-        help="rank order, fastest dimension first: cpp = pp-tp-ep-dp (stage = rank %% "
+    options.add_order(
+        p,
+        "rank order, fastest dimension first: cpp = pp-tp-ep-dp (stage = rank %% "
         "STAGES, as the C++ proxy), megatron = tp-ep-dp-pp, or explicit like tp-pp-dp",
     )
     g = p.add_argument_group("mixture of experts")
     g.add_argument(
         "--moe-experts",
+        "--num-experts",
         type=cli.nonneg_int,
         default=0,
         metavar="E",
@@ -151,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--ep",
+        "--expert-model-parallel-size",
         type=cli.positive_int,
         metavar="EP",
         help="expert-parallel degree, a divisor of DP (default gcd(E, DP)); experts are "
@@ -194,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
         "pattern (compute model/none only)",
     )
     options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
+    options.add_megatron(p, virtual=True)
     tflops = cpp_device_tflops()
     cli.add_common(
         p,
@@ -218,9 +213,12 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
     """Check the options against each other and the world size; UsageError names the rule."""
+    options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
-    pp, tp, v, B = args.stages, args.tp, args.virtual_stages, args.micro_batch
+    pp, tp, B = args.stages, args.tp, args.micro_batch
+    options.megatron_batch(args, world, tp * pp, "--micro-batches")
+    v = options.megatron_virtual(args, L, pp)
     T = args.seq_len or cfg.max_seq_len
     m = args.micro_batches or 2 * pp
     err = cli.UsageError
@@ -311,6 +309,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         bucket,
         args.inflight_buckets,
         args.layers_only,
+        model=args.model,
+        schedule=schedule,
     )
     try:
         SCHEDULES[schedule](pp, m, 0, v)
@@ -458,17 +458,9 @@ class GPT3Runtime:
 
 
 def make_job(args, world: int) -> runner.Job:
-    S, grid, extra = resolve(args, world)
-    schedule = extra["schedule"]
-    cfg = S.cfg
-    source = None
-    if args.data and not args.dry_run:
-        try:
-            source = TokenFile(args.data, cfg.vocab_size, S.T)
-        except DataError as e:
-            raise cli.UsageError(str(e)) from None
-    elif not args.data:
-        source = Synthetic(args.seed, cfg.vocab_size, S.T)
+    S, grid, _ = resolve(args, world)
+    schedule = S.schedule
+    source = options.token_source(args, S.cfg.vocab_size, S.T)
     plan = gpt3_plans(S, grid, schedule)
 
     def label(rank: int) -> str:
@@ -486,8 +478,16 @@ def make_job(args, world: int) -> runner.Job:
         dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
         return GPT3Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, args, source, mode)
 
-    config = config_dict(args, S, grid, schedule)
-    header = header_lines(args, S, grid, schedule, source)
+    config = describe.config(S, grid, args, own_config(S), data="synthetic")
+    header = describe.header(
+        PROG,
+        S,
+        grid,
+        args,
+        source,
+        model_extra=moe_text(S),
+        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
+    )
     groups = ("pp", "tp", "dp", "embed", "ep", "edp")
     return runner.Job(
         prog=PROG,
@@ -515,74 +515,36 @@ def make_job(args, world: int) -> runner.Job:
     )
 
 
-def config_dict(args, S: Setup, grid: ProcessGrid, schedule: str) -> dict:
-    cfg = S.cfg
+def own_config(S: Setup) -> dict:
+    """GPT-3's keys of the JSON config: tensor, sequence and expert parallelism, chunks,
+    the padded vocabulary and the gradient buckets."""
     moe = S.moe
     return {
-        "model": args.model,
-        "layers": cfg.n_layer,
-        "stages": S.pp,
         "tp": S.tp,
-        "dp": S.dp,
         "virtual_stages": S.v,
-        "micro_batches": S.m,
-        "micro_batch": S.B,
-        "seq_len": S.T,
         "sequence_parallel": S.sp,
-        "n_embd": cfg.n_embd,
-        "n_head": cfg.n_head,
-        "vocab_size": cfg.vocab_size,
         "vocab_padded": S.vocab,
-        "params": cfg.num_params,
         "moe_experts": moe.experts if moe else 0,
         "moe_top_k": moe.top_k if moe else None,
         "capacity_factor": moe.capacity_factor if moe else None,
         "moe_ffn_hidden": moe.ffn_hidden if moe else None,
         "ep": moe.ep if moe else 1,
-        "schedule": schedule,
-        "order": grid.order,
-        "global_batch": S.B * S.m * S.dp,
         "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
-        "compute": args.compute,
-        "device_tflops": args.device_tflops,
-        "lr": args.lr,
-        "weight_decay": args.weight_decay,
-        "seed": args.seed,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "data": args.data or "synthetic",
-        "check": args.check,
-        "allreduce": args.allreduce,
-        "layers_per_stage": [sum(len(ch.layers) for ch in S.chunks(s)) for s in range(S.pp)],
     }
 
 
-def header_lines(args, S: Setup, grid: ProcessGrid, schedule: str, source) -> list[str]:
-    cfg, moe = S.cfg, S.moe
-    per = sorted({sum(len(ch.layers) for ch in S.chunks(s)) for s in range(S.pp)})
-    moe_txt = ""
-    if moe:
-        moe_txt = (
-            f" · MoE: {moe.experts} experts of width {moe.ffn_hidden}, top-{moe.top_k}, "
-            f"capacity factor {moe.capacity_factor:g} ({moe.capacity(S.N)} slots per expert), "
-            f"ep {moe.ep}"
-        )
-    data = source.describe() if source is not None else args.data
-    return [
-        f"[bold]{PROG}[/] · {args.model} (C={cfg.n_embd}, {cfg.n_head} heads, "
-        f"V={cfg.vocab_size} padded to {S.vocab}) · {cfg.n_layer} layers = "
-        f"{cfg.num_params:,} parameters ({si_count(cfg.num_params)})" + moe_txt,
-        f"grid: tp {S.tp} x pp {S.pp} x dp {S.dp} (order {grid.order}) · layers per stage "
-        + "-".join(map(str, per))
-        + (f" in {S.v} chunks" if S.v > 1 else "")
-        + f" · schedule {schedule} · {S.m} micro-batches of {S.B} x {S.T} tokens (global "
-        f"batch {S.B * S.m * S.dp} samples)" + (" · sequence parallel" if S.sp else ""),
-        f"messages: pipeline {S.act:,} floats ({4 * S.act:,} B) · TP collectives "
-        f"{S.N * cfg.n_embd:,} floats per layer part · data: {data} · iterations "
-        f"{args.warmup} warm-up + {args.iters} timed" + (" · layers only" if S.layers_only else ""),
-    ]
+def moe_text(S: Setup) -> str:
+    """The model line's MoE part (empty for dense layers)."""
+    moe = S.moe
+    if not moe:
+        return ""
+    return (
+        f" · MoE: {moe.experts} experts of width {moe.ffn_hidden}, top-{moe.top_k}, "
+        f"capacity factor {moe.capacity_factor:g} ({moe.capacity(S.N)} slots per expert), "
+        f"ep {moe.ep}"
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from proxies.core import cli, memory
+from proxies.transformer.data import DataError, Synthetic, TokenFile
 
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
@@ -32,10 +33,32 @@ def add_shape(p: argparse.ArgumentParser, stages_help: str) -> None:
         "stages",
         type=cli.positive_int,
         nargs="?",
-        default=1,
+        default=Default(1),
         metavar="STAGES",
         help=stages_help,
     )
+
+
+def add_seq_len(p: argparse.ArgumentParser, help: str) -> None:
+    """--seq-len (Megatron's --seq-length); the default is the front end's to resolve."""
+    p.add_argument("--seq-len", "--seq-length", type=cli.positive_int, metavar="T", help=help)
+
+
+def add_micro_batch(p: argparse.ArgumentParser, help: str, default: int | None = None) -> None:
+    """--micro-batch (Megatron's --micro-batch-size): samples per micro-batch."""
+    p.add_argument(
+        "--micro-batch",
+        "--micro-batch-size",
+        type=cli.positive_int,
+        default=default,
+        metavar="B",
+        help=help,
+    )
+
+
+def add_order(p: argparse.ArgumentParser, help: str) -> None:
+    """--order: the rank order, fastest dimension first (core/grid.py reads it)."""
+    p.add_argument("--order", default="cpp", metavar="ORDER", help=help)
 
 
 def add_training(p: argparse.ArgumentParser, lr: float, defaults_in_help: bool) -> None:
@@ -60,6 +83,20 @@ def add_training(p: argparse.ArgumentParser, lr: float, defaults_in_help: bool) 
     p.add_argument(
         "--data", metavar="FILE", help="llm.c token file (.bin); default: synthetic tokens"
     )
+
+
+def token_source(args: argparse.Namespace, vocab: int, T: int, *, needed: bool = True):
+    """--data's token file (a dry run does not open it), else synthetic tokens from --seed;
+    None for a dry run with --data, or without --data when the run trains nothing
+    (`needed` False: gpt2's C++ schedule). A file that does not fit is a usage error."""
+    if args.data and not args.dry_run:
+        try:
+            return TokenFile(args.data, vocab, T)
+        except DataError as e:
+            raise cli.UsageError(str(e)) from None
+    if not args.data and needed:
+        return Synthetic(args.seed, vocab, T)
+    return None
 
 
 def bucket_elements(mb: float) -> int:
@@ -113,3 +150,114 @@ def check_shape(
             else f"--micro-batches {micro_batches} x --virtual-stages {virtual}"
         )
         raise err(f"{what}: at most {MAX_TAG_MICROBATCHES} (message tags)")
+
+
+# -- Megatron-LM's names -----------------------------------------------------------------
+# Options whose meaning is exactly a native one's take Megatron's spelling as a second
+# option string (--tensor-model-parallel-size = --tp, ...). The ones below stand for a
+# positional, or are converted, so they are options of their own, resolved by megatron_*.
+
+
+class Default(int):
+    """A positional's default that can be told from the same number given: Megatron's
+    name for it may replace a default, not a value given."""
+
+
+def given(value: int | None) -> bool:
+    return value is not None and not isinstance(value, Default)
+
+
+def add_megatron(p: argparse.ArgumentParser, *, virtual: bool = False) -> None:
+    """--num-layers, --pipeline-model-parallel-size, --global-batch-size (and, `virtual`,
+    --num-layers-per-virtual-pipeline-stage) in a group of their own."""
+    g = p.add_argument_group(
+        "Megatron-LM's names",
+        "accepted for what they mean in Megatron-LM; Megatron's names of options above "
+        "(--seq-length, --micro-batch-size ...) are listed with them",
+    )
+    g.add_argument(
+        "--num-layers", type=cli.positive_int, metavar="L", help="LAYERS (give one, or equal)"
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=cli.positive_int,
+        metavar="PP",
+        help="STAGES (give one, or equal)",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=cli.positive_int,
+        metavar="GBS",
+        help="samples per iteration = micro-batch x micro-batches x data-parallel degree: "
+        "sets the micro-batches once the world size is known (refused unless it divides)",
+    )
+    if virtual:
+        g.add_argument(
+            "--num-layers-per-virtual-pipeline-stage",
+            type=cli.positive_int,
+            metavar="N",
+            help="layers per model chunk: --virtual-stages = layers per stage / N",
+        )
+
+
+def megatron_shape(args: argparse.Namespace) -> None:
+    """LAYERS and STAGES from --num-layers / --pipeline-model-parallel-size: only where the
+    positional is not given, or gives the same number."""
+    for dest, alias, name, option in (
+        ("layers", "num_layers", "LAYERS", "--num-layers"),
+        ("stages", "pipeline_model_parallel_size", "STAGES", "--pipeline-model-parallel-size"),
+    ):
+        value, other = getattr(args, dest), getattr(args, alias, None)
+        if other is not None:
+            if given(value) and value != other:
+                raise cli.UsageError(f"{option} {other} and {name} = {value} differ: give one")
+            value = other
+        setattr(args, dest, None if value is None else int(value))
+
+
+def megatron_batch(args: argparse.Namespace, world: int, model_parallel: int, name: str) -> None:
+    """--micro-batches (named `name` on this front end) from --global-batch-size: GBS /
+    (micro-batch x dp), dp = world / `model_parallel`. A world that does not divide is left
+    for check_shape to name."""
+    gbs = getattr(args, "global_batch_size", None)
+    m = args.micro_batches
+    if gbs is not None and world % model_parallel == 0:
+        dp = world // model_parallel
+        per = args.micro_batch * dp
+        if gbs % per:
+            raise cli.UsageError(
+                f"--global-batch-size {gbs} is not a multiple of micro-batch {args.micro_batch} "
+                f"x data-parallel degree {dp} = {per}"
+            )
+        if given(m) and m != gbs // per:
+            raise cli.UsageError(
+                f"--global-batch-size {gbs} is {gbs // per} micro-batches of {args.micro_batch} "
+                f"x dp {dp}, not {name} {m}: give one"
+            )
+        m = gbs // per
+    args.micro_batches = None if m is None else int(m)
+
+
+def megatron_virtual(args: argparse.Namespace, layers: int, stages: int) -> int:
+    """--virtual-stages, from --num-layers-per-virtual-pipeline-stage N where given: the
+    layers per stage / N (Megatron: num_layers // pp // N)."""
+    n, v = args.num_layers_per_virtual_pipeline_stage, args.virtual_stages
+    if n is None:
+        return int(v)
+    if layers % stages:
+        raise cli.UsageError(
+            f"--num-layers-per-virtual-pipeline-stage {n}: LAYERS = {layers} must be a "
+            f"multiple of STAGES = {stages}"
+        )
+    per = layers // stages
+    if per % n:
+        raise cli.UsageError(
+            f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per} layers "
+            f"per stage (LAYERS {layers} / STAGES {stages})"
+        )
+    if given(v) and v != per // n:
+        raise cli.UsageError(
+            f"--num-layers-per-virtual-pipeline-stage {n} is {per // n} virtual stages, not "
+            f"--virtual-stages {v}: give one"
+        )
+    return per // n

@@ -105,7 +105,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything the plans and the runtime share: model, shapes, degrees."""
+    """Everything the plans, the runtime and the printed description share: model, shapes,
+    degrees, the resolved schedule and gradient sync. GPT-2 resolves into it too (tp = v =
+    1, no sequence parallelism or MoE)."""
 
     cfg: GPT3Config
     B: int
@@ -122,6 +124,14 @@ class Setup:
     bucket: int = 0  # DP bucket size in elements; 0 = one bucket per layer
     inflight: int = 2  # DP buckets in flight at once (0 = no limit)
     layers_only: bool = False  # no embedding, LM head or loss (the C++ proxy's pattern)
+    # What the front ends resolved besides the shapes (the defaults describe GPT-3's run):
+    model: str = ""  # the preset's name as given (gpt2's dnn-cpp-proxies keeps its own)
+    schedule: str = "1f1b"  # the pipeline schedule resolved (gpt2 also: cpp)
+    # Data-parallel gradient sync, a core/grads.py policy: buckets (overlapping the last
+    # backward), fused, per-tensor, zero1, or per-layer (gpt2's C++ parity schedule).
+    sync: str = "buckets"
+    zero: int = 0  # ZeRO stage (gpt2's --zero 1)
+    bucket_mb: float | None = None  # the bucket size as given in MiB (None: not given)
 
     @property
     def N(self) -> int:
