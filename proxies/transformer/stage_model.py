@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxies.transformer import fast, kernels
-from proxies.transformer.config import GPT2Config, layer_shapes, layout_size, stage_layout
+from proxies.transformer.config import (
+    LAYER_TENSORS,
+    GPT2Config,
+    layout_size,
+    normal,
+    stage_layout,
+)
 
 # The kernels a StageModel runs: the fast ones, or the reference ones (tests compare them).
 KERNELS = {"fast": fast, "plain": kernels}
-
-# One transformer layer's 12 tensors in layout order (shapes: config.layer_shapes).
-LAYER_TENSORS = tuple(layer_shapes(1))
 
 
 @dataclass
@@ -148,9 +151,9 @@ class StageModel:
         """
         cfg, w = self.cfg, self.views
         if "wte" in w:
-            _normal(w["wte"], np.random.default_rng([self.seed, 0, 0]), 0.02)
+            normal(w["wte"], np.random.default_rng([self.seed, 0, 0]), 0.02)
         if "wpe" in w:
-            _normal(w["wpe"], np.random.default_rng([self.seed, 0, 1]), 0.02)
+            normal(w["wpe"], np.random.default_rng([self.seed, 0, 1]), 0.02)
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         for l in self.layers:
             rng = np.random.default_rng([self.seed, 1, l])
@@ -159,7 +162,7 @@ class StageModel:
                 if n.startswith("ln_") and n.endswith("weight"):
                     p.fill(1.0)
                 elif n.endswith("weight"):
-                    _normal(p, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
+                    normal(p, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
         if self.last:
             w["ln_f.weight"].fill(1.0)
 
@@ -433,16 +436,6 @@ class StageModel:
     def flops_backward(self) -> float:
         """Backward FLOPs of one micro-batch: twice the forward (gradients of input and weight)."""
         return 2.0 * self.flops_forward()
-
-
-def _normal(out: np.ndarray, rng: np.random.Generator, std: float) -> None:
-    """out = N(0, std) drawn in float64 a block of rows at a time (bounded temporary)."""
-    rows = out.reshape(out.shape[0], -1)
-    step = max(1, (1 << 20) // rows.shape[1])
-    for i in range(0, rows.shape[0], step):
-        block = rng.standard_normal(rows[i : i + step].shape)
-        block *= std
-        rows[i : i + step] = block
 
 
 def _expect(what: str, x: np.ndarray | None, shape: tuple[int, ...]) -> None:
