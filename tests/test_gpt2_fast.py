@@ -181,8 +181,8 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
     """Two iterations of two micro-batches forward and backward, then AdamW: the model on
     fast kernels (dlogits kept by the forward, gradients overwritten by the first backward
     after zero_grad instead of zeroed and added to) against the model on the reference
-    kernels. Before the second iteration the fast model's gradients are NaN: every one of
-    them must be written, none added to."""
+    kernels, which take the same calls. Before the second iteration both models' gradients
+    are NaN: every one of them must be written, none added to."""
     monkeypatch.setattr(F, "BLOCK", 1 << 12)  # still many blocks over the 3.4M parameters
     monkeypatch.setattr(F, "ADAMW_BLOCK", 1 << 12)
     monkeypatch.setattr(F, "_DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
@@ -222,7 +222,7 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
             model.step(1e-3, 0.1)
             model.zero_grad()
             outs[k].append(model.params.copy())
-        assert not models["plain"].grads.any()
-        models["fast"].grads.fill(np.nan)
+        for model in models.values():  # no zeroing pass on either kernels: all written
+            model.grads.fill(np.nan)
     for i, (a, b) in enumerate(zip(outs["plain"], outs["fast"], strict=True)):
         close(f"output {i}", np.asarray(b, np.float32), np.asarray(a, np.float32))

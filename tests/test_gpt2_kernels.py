@@ -220,3 +220,70 @@ def test_adamw():
             check(f"adamw wd={wd} step {t} m", m, rm, atol=1e-15)
             check(f"adamw wd={wd} step {t} v", v, rv, atol=1e-15)
             check(f"adamw wd={wd} step {t} params", p, rp, atol=1e-14)
+
+
+def test_classifier_saved_dlogits():
+    """The forward's kept dlogits give the recomputing backward's gradients."""
+    inp, wte = rand(B, T, C, seed=1), rand(V, C, seed=2)
+    targets = np.random.default_rng(3).integers(0, V, (B, T))
+    lse, dl = np.empty((B, T)), np.empty((B * T, V))
+    want = K.classifier_forward(lse, inp, wte, targets)
+    check("loss with dlogits", K.classifier_forward(lse, inp, wte, targets, dl, 0.7), want)
+    dinp, dwte = ones_like(inp), ones_like(wte)
+    K.classifier_backward_saved(dinp, dwte, inp, wte, dl)
+    rinp, rwte = ones_like(inp), ones_like(wte)
+    K.classifier_backward(rinp, rwte, inp, wte, targets, lse, 0.7)
+    check("saved dinp", dinp, rinp)
+    check("saved dwte", dwte, rwte)
+
+
+@pytest.mark.parametrize("mod", ["kernels", "fast"])
+def test_fresh_writes_equal_zero_then_add(mod):
+    """fresh=True (dinp_fresh=True) writes what accumulating into zeros gives, whatever the
+    buffer held: both kernel modules, the same calls (no NaN survives)."""
+    from proxies.transformer import fast
+
+    M = {"kernels": K, "fast": fast}[mod]
+    x, dout = rand(B, T, C, seed=1), rand(B, T, C, seed=2)
+    w, b = 1 + rand(C, seed=3, scale=0.3), rand(C, seed=4)
+    mean, rstd = np.empty((B, T)), np.empty((B, T))
+    M.layernorm_forward(np.empty((B, T, C)), mean, rstd, x, w, b)
+    W = rand(3 * C, C, seed=5)
+    qkv, att = rand(B, T, 3 * C, seed=6), np.empty((B, NH, T, T))
+    M.attention_forward(np.empty((B, T, C)), att, qkv, NH)
+    tokens = np.random.default_rng(7).integers(0, V, (B, T))
+    targets = np.random.default_rng(8).integers(0, V, (B, T))
+    wte, lse = rand(V, C, seed=9), np.empty((B, T))
+    M.classifier_forward(lse, x, wte, targets)
+    calls = {  # name: (fn(outs, fresh), shapes of the written outputs)
+        "layernorm": (
+            lambda o, f: M.layernorm_backward(np.zeros((B, T, C)), *o, dout, x, w, mean, rstd, f),
+            [(C,), (C,)],
+        ),
+        "matmul": (
+            lambda o, f: M.matmul_backward(*o, rand(B, T, 3 * C, seed=10), x, W, f, f),
+            [(B, T, C), (3 * C, C), (3 * C,)],
+        ),
+        "gelu": (lambda o, f: M.gelu_backward(*o, x, dout, fresh=f), [(B, T, C)]),
+        "attention": (
+            lambda o, f: M.attention_backward(*o, dout, qkv, att, NH, fresh=f),
+            [(B, T, 3 * C)],
+        ),
+        "encoder": (
+            lambda o, f: M.encoder_backward(*o, dout, tokens, fresh=f),
+            [(V, C), (T + 2, C)],
+        ),
+        "classifier": (
+            lambda o, f: M.classifier_backward(
+                *o, x, wte, targets, lse, 0.5, dinp_fresh=f, fresh=f
+            ),
+            [(B, T, C), (V, C)],
+        ),
+    }
+    for name, (fn, shapes) in calls.items():
+        want = [np.zeros(s) for s in shapes]
+        fn(want, False)
+        got = [np.full(s, np.nan) for s in shapes]
+        fn(got, True)
+        for i, (g, wv) in enumerate(zip(got, want, strict=True)):
+            check(f"{name} fresh output {i}", g, wv, atol=1e-12, rtol=1e-10)

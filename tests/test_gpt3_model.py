@@ -317,3 +317,29 @@ def _fd(f, arrays: list[np.ndarray], i: int, eps: float) -> float:
     for a in arrays:
         a[i] = old
     return (up - down) / (2 * eps)
+
+
+@pytest.mark.parametrize(
+    "argv,world",
+    [
+        (["4", "1", "--micro-batches", "2", *TINY], 1),
+        (["4", "1", "--micro-batches", "2", "--tp", "2", *TINY, *SP], 2),
+        ([*MOE, "--micro-batches", "2", "--tp", "2"], 2),
+    ],
+    ids=["tp1", "tp2-sp", "moe-tp2"],
+)
+def test_gradients_are_written_afresh_each_iteration(monkeypatch, argv, world):
+    """No zeroing pass: after the optimizer step every gradient is junk (NaN here), and the
+    next iteration's backward must write each one before anything adds to it."""
+    want, _ = emulate(argv, world, iters=3)
+    step = StageShard.step
+
+    def poisoned(self, *args, **kwargs):
+        step(self, *args, **kwargs)
+        self.grads.fill(np.nan)
+        self.egrads.fill(np.nan)
+
+    monkeypatch.setattr(StageShard, "step", poisoned)
+    got, _ = emulate(argv, world, iters=3)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert np.isfinite(got).all()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from proxies.core import memory
 from proxies.core.plan import Plan
 from proxies.core.schedules import SCHEDULES
+from proxies.transformer import fast
 from proxies.transformer.kernels import CLASSIFIER_CHUNK
 from proxies.transformer.layout import Layout
 from proxies.transformer.setup import Chunk, Setup
@@ -21,17 +22,39 @@ from proxies.transformer.setup import Chunk, Setup
 F32 = 4
 
 
+def keeps_logits(S: Setup) -> bool:
+    """StageShard.keeps_logits: the head keeps its slice's (N, V/tp) probabilities."""
+    return S.N * (S.vocab // S.tp) * F32 <= fast.DLOGITS_BUDGET
+
+
 def saved_state(S: Setup, ch: Chunk) -> int:
     """Bytes of StageShard._alloc for one chunk: its input and residual gradient, per layer
     the sequence-shard (B,Ts,*) and full-sequence (B,T,*/tp) tensors, the local heads'
-    softmax, the head's statistics."""
+    softmax, the head's statistics, and its kept probabilities and max (N, V/tp + 1)."""
     B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
     layer = B * (5 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
     layer += B * (S.cfg.n_head // tp) * T * T
     if not S.moe:
         layer += 2 * B * T * 4 * C // tp
     head = B * (Ts * C + 2 * Ts + T) if ch.head else 0
+    if ch.head and keeps_logits(S):
+        head += S.N * (S.vocab // tp + 1)
     return F32 * (2 * B * Ts * C + len(ch.layers) * layer + head)
+
+
+def weight_temps(S: Setup, head: bool) -> int:
+    """Elements of the kernels' kept weight-gradient temporaries (fast._add_at_b): one per
+    weight shard shape, at most fast._DW_ELEMS elements in whole rows."""
+    C, tp = S.cfg.n_embd, S.tp
+    shapes = {(3 * C // tp, C), (C, C // tp)}
+    if S.moe:
+        F = S.moe.ffn_hidden // tp
+        shapes |= {(F, C), (C, F)}
+    else:
+        shapes |= {(4 * C // tp, C), (C, 4 * C // tp)}
+    if head:
+        shapes.add((S.vocab // tp, C))
+    return sum(min(M, max(1, fast._DW_ELEMS // N)) * N for M, N in shapes)
 
 
 def live_states(S: Setup, stage: int, schedule: str) -> list[int]:
@@ -53,10 +76,12 @@ def real_parts(S: Setup, stage: int, schedule: str) -> dict[str, int]:
     acts = sum(k * saved_state(S, ch) for k, ch in zip(counts, chunks, strict=False))
     B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
     # backward scratch (dfch, dfch_gelu, datty, dqkv, partial), and the head's logit chunk
+    # when it does not keep them
     work = B * T * (8 * C // tp + C // tp + 3 * C // tp + (C if S.sp else 0))
-    if any(ch.head for ch in chunks):
+    if any(ch.head for ch in chunks) and not keeps_logits(S):
         rows = max(1, min(S.N, CLASSIFIER_CHUNK // max(1, S.vocab // tp)))
         work += rows * (S.vocab // tp)
+    work += weight_temps(S, any(ch.head for ch in chunks))
     moe = S.moe
     dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
     bufs = S.N * C + tp * 3 * S.N + dispatch + lay.sp_size

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class GPT2Config:
@@ -58,6 +60,21 @@ def layer_shapes(C: int) -> dict[str, tuple[int, ...]]:
         "mlp.c_proj.weight": (C, 4 * C),
         "mlp.c_proj.bias": (C,),
     }
+
+
+# One layer's tensors in layout order (and the order init draws them).
+LAYER_TENSORS = tuple(layer_shapes(1))
+
+
+def normal(out: np.ndarray, rng: np.random.Generator, std: float) -> None:
+    """out = N(0, std) drawn in float64 a block of rows at a time (bounded temporary), then
+    cast: float32 and float64 models start from the same values."""
+    rows = out.reshape(out.shape[0], -1)
+    step = max(1, (1 << 20) // rows.shape[1])
+    for i in range(0, rows.shape[0], step):
+        block = rng.standard_normal(rows[i : i + step].shape)
+        block *= std
+        rows[i : i + step] = block
 
 
 def stage_layout(

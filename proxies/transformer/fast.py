@@ -2,7 +2,8 @@
 
 kernels.py is the readable reference (llm.c's loops as whole-array NumPy, checked against
 finite differences). This module computes the same results (tests: 1e-5 relative;
-layernorm bit for bit) with the same signatures, so StageModel can take either:
+layernorm bit for bit) under the same names and signatures (`fresh=` included), so a model
+takes either module as its kernels and never asks which it has:
 
 - Elementwise work (GELU, layernorm, softmax, AdamW) runs over blocks of rows that fit in
   the L2 cache, so its several NumPy passes read main memory once instead of once per
@@ -36,6 +37,7 @@ from proxies.transformer.kernels import (  # noqa: F401  (re-exported: same kern
     encoder_backward,
     encoder_forward,
     matmul_forward,
+    residual_backward,
     residual_forward,
 )
 
@@ -164,6 +166,7 @@ def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray, fresh: bo
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias) -> None:
+    """As the reference: out (B,T,C), mean and rstd (B,T) from inp (B,T,C), over row blocks."""
     C = inp.shape[-1]
     o, x, mu, rs = out.reshape(-1, C), inp.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
     blocked(
@@ -174,8 +177,8 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias) -> None:
 
 
 def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh=False) -> None:
-    """As the reference; dweight and dbias are summed per worker, then added once (fresh:
-    written)."""
+    """As the reference: dinp (B,T,C) +=, dweight and dbias (C,) summed per worker, then
+    added once (fresh: written)."""
     C = inp.shape[-1]
     d, g, x = dinp.reshape(-1, C), dout.reshape(-1, C), inp.reshape(-1, C)
     mu, rs = mean.reshape(-1), rstd.reshape(-1)
@@ -297,15 +300,24 @@ def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int
 
 
 def attention_backward(
-    dinp: np.ndarray, dout: np.ndarray, inp: np.ndarray, att: np.ndarray, NH: int
+    dinp: np.ndarray,
+    dout: np.ndarray,
+    inp: np.ndarray,
+    att: np.ndarray,
+    NH: int,
+    fresh: bool = False,
 ) -> None:
-    """As the reference; the scale goes on the T x hs operands, and the softmax backward
-    runs over blocks of score rows on the workers."""
+    """As the reference: dinp (B,T,3C) += from dout (B,T,C) (fresh: written), att
+    (B,NH,T,T) saved; the scale goes on the T x hs operands, and the softmax backward runs
+    over blocks of score rows on the workers."""
     B, T, _ = inp.shape
     q, k, v, hs = _qkv(inp, NH)
     dq, dk, dv = dinp.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
     do = dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
-    dv += att.swapaxes(-1, -2) @ do
+    if fresh:  # matmuls straight into the strided views of dinp: no zeroing pass
+        np.matmul(att.swapaxes(-1, -2), do, out=dv)
+    else:
+        dv += att.swapaxes(-1, -2) @ do
     datt = do @ v.swapaxes(-1, -2)
     a_rows, d_rows = att.reshape(-1, T, T), datt.reshape(-1, T, T)
 
@@ -319,8 +331,12 @@ def attention_backward(
         softmax_backward, d_rows.shape[0], max(1, BLOCK // (T * T)), max(1, 4 * BLOCK // (T * T))
     )
     scale = 1.0 / math.sqrt(hs)
-    dq += datt @ (k * scale)
-    dk += datt.swapaxes(-1, -2) @ (q * scale)
+    if fresh:
+        np.matmul(datt, k * scale, out=dq)
+        np.matmul(datt.swapaxes(-1, -2), q * scale, out=dk)
+    else:
+        dq += datt @ (k * scale)
+        dk += datt.swapaxes(-1, -2) @ (q * scale)
 
 
 # ----------------------------------------------------------------------------------------
@@ -389,10 +405,19 @@ def classifier_backward_saved(
 
 
 def classifier_backward(
-    dinp, dwte, inp, wte, targets, lse, dloss: float = 1.0, chunk: int = CLASSIFIER_CHUNK
+    dinp,
+    dwte,
+    inp,
+    wte,
+    targets,
+    lse,
+    dloss: float = 1.0,
+    chunk: int = CLASSIFIER_CHUNK,
+    dinp_fresh: bool = False,
+    fresh: bool = False,
 ) -> None:
-    """As the reference (recomputing the logits chunk by chunk), with dwte accumulated
-    through row blocks."""
+    """As the reference (recomputing the logits chunk by chunk): dinp (B,T,C), dwte (V,C)
+    += (written when dinp_fresh, fresh), dwte accumulated through row blocks."""
     V, C = wte.shape
     x, t, lse1 = inp.reshape(-1, C), targets.reshape(-1), lse.reshape(-1)
     dx = dinp.reshape(-1, C)
@@ -413,7 +438,11 @@ def classifier_backward(
         dl = buf[:n]
         np.matmul(x[i : i + n], wte.T, out=dl)
         blocked(partial(rows, dl, i), n, max(1, BLOCK // V * 4), 1)
-        matmul_backward(dx[i : i + n], dwte, None, dl, x[i : i + n], wte)
+        # the first chunk writes what is fresh, the later ones add
+        first = i == 0
+        matmul_backward(
+            dx[i : i + n], dwte, None, dl, x[i : i + n], wte, dinp_fresh, fresh and first
+        )
 
 
 # ----------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ size, V vocabulary, L layers. Activations are (B,T,C) C-contiguous arrays; weigh
 Conventions, as in llm.c:
 - outputs first in the signature; forward kernels write into preallocated arrays and save
   what backward needs (layernorm's mean and rstd, attention's softmax, the classifier's lse);
-- backward kernels ACCUMULATE (+=) into their gradient buffers, so the caller zeroes them;
+- backward kernels ACCUMULATE (+=) into their gradient buffers; with `fresh=True` they
+  WRITE them instead (the first write of a gradient in an iteration: no zeroing pass), and
+  `dinp_fresh=True` does the same for a matmul's input gradient;
+- fast.py has the same names and signatures, so a model takes either module as its kernels;
 - kernels are dtype-generic: float32 in runs, float64 in finite-difference tests. Scalars are
   Python floats, which NumPy keeps in the array's dtype (nothing is upcast to float64).
 """
@@ -39,10 +42,25 @@ def encoder_forward(out: np.ndarray, inp: np.ndarray, wte: np.ndarray, wpe: np.n
     out += wpe[:T]
 
 
-def encoder_backward(dwte: np.ndarray, dwpe: np.ndarray, dout: np.ndarray, inp: np.ndarray) -> None:
-    """dwte (V,C) and dwpe (maxT,C) += from dout (B,T,C); inp (B,T) the tokens."""
+def encoder_backward(
+    dwte: np.ndarray,
+    dwpe: np.ndarray,
+    dout: np.ndarray,
+    inp: np.ndarray,
+    fresh: bool = False,
+    dwte_fresh: bool | None = None,
+) -> None:
+    """dwte (V,C) and dwpe (maxT,C) += from dout (B,T,C); inp (B,T) the tokens. fresh: dwpe
+    written, and dwte unless dwte_fresh says otherwise (a tied LM head may have written it
+    already); a written dwte is zeroed, then rows scattered in: no V x C temporary."""
     T, C = dout.shape[1:]
-    dwpe[:T] += dout.sum(axis=0)
+    if fresh if dwte_fresh is None else dwte_fresh:
+        dwte.fill(0)
+    if fresh:
+        dwpe[T:] = 0  # positions past T get no gradient
+        np.sum(dout, axis=0, out=dwpe[:T])
+    else:
+        dwpe[:T] += dout.sum(axis=0)
     np.add.at(dwte, inp.reshape(-1), dout.reshape(-1, C))  # repeated tokens add up
 
 
@@ -81,11 +99,16 @@ def layernorm_backward(
     weight: np.ndarray,
     mean: np.ndarray,
     rstd: np.ndarray,
+    fresh: bool = False,
 ) -> None:
-    """dinp (B,T,C), dweight (C,), dbias (C,) += from dout (B,T,C); mean, rstd (B,T) saved."""
+    """dinp (B,T,C), dweight (C,), dbias (C,) += from dout (B,T,C); mean, rstd (B,T) saved.
+    fresh: dweight, dbias written (dinp is always added to: it is the residual stream's)."""
     C = inp.shape[-1]
     norm = inp - mean[..., None]
     norm *= rstd[..., None]
+    if fresh:
+        dbias.fill(0)
+        dweight.fill(0)
     dbias += dout.reshape(-1, C).sum(axis=0)
     dweight += np.einsum("nc,nc->c", dout.reshape(-1, C), norm.reshape(-1, C))
     dnorm = dout * weight
@@ -121,15 +144,24 @@ def matmul_backward(
     dout: np.ndarray,
     inp: np.ndarray,
     weight: np.ndarray,
+    dinp_fresh: bool = False,
+    fresh: bool = False,
 ) -> None:
-    """dinp (B,T,C) (skipped if None), dweight (OC,C), dbias (OC,) += from dout (B,T,OC)."""
+    """dinp (B,T,C) (skipped if None), dweight (OC,C), dbias (OC,) += from dout (B,T,OC).
+    dinp_fresh: dinp written; fresh: dweight and dbias written."""
     OC, C = weight.shape
     dout2 = dout.reshape(-1, OC)
     if dinp is not None:
         d = dinp.reshape(-1, C)  # a view: dinp must be C-contiguous
+        if dinp_fresh:
+            d.fill(0)
         d += dout2 @ weight
+    if fresh:
+        dweight.fill(0)
     dweight += dout2.T @ inp.reshape(-1, C)
     if dbias is not None:
+        if fresh:
+            dbias.fill(0)
         dbias += dout2.sum(axis=0)
 
 
@@ -162,9 +194,17 @@ def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int
 
 
 def attention_backward(
-    dinp: np.ndarray, dout: np.ndarray, inp: np.ndarray, att: np.ndarray, NH: int
+    dinp: np.ndarray,
+    dout: np.ndarray,
+    inp: np.ndarray,
+    att: np.ndarray,
+    NH: int,
+    fresh: bool = False,
 ) -> None:
-    """dinp (B,T,3C) += from dout (B,T,C); inp (B,T,3C) and att (B,NH,T,T) from forward."""
+    """dinp (B,T,3C) += from dout (B,T,C); inp (B,T,3C) and att (B,NH,T,T) from forward.
+    fresh: dinp written."""
+    if fresh:
+        dinp.fill(0)
     B, T, C3 = inp.shape
     hs = C3 // 3 // NH
     q, k, v = inp.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
@@ -208,8 +248,9 @@ def gelu_forward(out: np.ndarray, inp: np.ndarray) -> None:
     out *= 0.5
 
 
-def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray) -> None:
-    """dinp += gelu'(inp) * dout, any shape; recomputes tanh from inp like llm.c."""
+def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray, fresh: bool = False) -> None:
+    """dinp += gelu'(inp) * dout, any shape; recomputes tanh from inp like llm.c. fresh:
+    dinp written."""
     x2 = inp * inp
     th = x2 * 0.044715
     th += 1.0
@@ -228,7 +269,10 @@ def gelu_backward(dinp: np.ndarray, inp: np.ndarray, dout: np.ndarray) -> None:
     th *= 0.5
     th += x2
     th *= dout
-    dinp += th
+    if fresh:
+        dinp[...] = th
+    else:
+        dinp += th
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,12 +288,16 @@ def classifier_forward(
     inp: np.ndarray,
     wte: np.ndarray,
     targets: np.ndarray,
+    dlogits: np.ndarray | None = None,
+    dloss: float = 1.0,
     chunk: int = CLASSIFIER_CHUNK,
 ) -> float:
     """Mean over B*T of -log softmax(inp @ wte.T)[target]; inp (B,T,C), wte (V,C).
 
     targets (B,T) int. Writes lse (B,T), each row's log-sum-exp of logits, for backward.
-    Logits are made chunk // V rows at a time and never kept.
+    Logits are made chunk // V rows at a time and never kept; with dlogits (B*T, V) given,
+    the gradient of dloss * mean loss w.r.t. the logits is left there instead, for
+    classifier_backward_saved (llm.c's fused classifier).
     """
     V, C = wte.shape
     x, t, lse1 = inp.reshape(-1, C), targets.reshape(-1), lse.reshape(-1)
@@ -268,7 +316,26 @@ def classifier_forward(
         np.log(logits.sum(axis=1), out=lse1[i : i + n])
         lse1[i : i + n] += mx
         total += float((lse1[i : i + n] - target_logit).sum())
+        if dlogits is not None:  # (softmax - onehot) * dloss / N
+            d = dlogits[i : i + n]
+            np.divide(logits, logits.sum(axis=1, keepdims=True), out=d)
+            d[np.arange(n), t[i : i + n]] -= 1.0
+            d *= float(dloss) / N
     return total / N
+
+
+def classifier_backward_saved(
+    dinp: np.ndarray,
+    dwte: np.ndarray,
+    inp: np.ndarray,
+    wte: np.ndarray,
+    dlogits: np.ndarray,
+    dinp_fresh: bool = False,
+    fresh: bool = False,
+) -> None:
+    """dinp (B,T,C) += dlogits @ wte, dwte (V,C) += dlogits.T @ inp; dlogits (B*T,V) left by
+    classifier_forward. dinp_fresh, fresh: dinp, dwte written (as matmul_backward)."""
+    matmul_backward(dinp, dwte, None, dlogits, inp, wte, dinp_fresh, fresh)  # no bias
 
 
 def classifier_backward(
@@ -280,12 +347,19 @@ def classifier_backward(
     lse: np.ndarray,
     dloss: float = 1.0,
     chunk: int = CLASSIFIER_CHUNK,
+    dinp_fresh: bool = False,
+    fresh: bool = False,
 ) -> None:
     """dinp (B,T,C) and dwte (V,C) += gradient of dloss * mean loss; lse (B,T) from forward.
+    dinp_fresh, fresh: dinp, dwte written.
 
     Recomputes each chunk's logits (one more matmul than keeping them, the price of never
     holding B*T*V), then dlogits = (softmax - onehot(target)) * dloss / (B*T).
     """
+    if dinp_fresh:
+        dinp.fill(0)
+    if fresh:
+        dwte.fill(0)
     V, C = wte.shape
     x, t, lse1 = inp.reshape(-1, C), targets.reshape(-1), lse.reshape(-1)
     dx = dinp.reshape(-1, C)  # a view: dinp must be C-contiguous

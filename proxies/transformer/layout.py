@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proxies.transformer.config import layer_shapes
+from proxies.transformer.config import LAYER_TENSORS, layer_shapes, normal
 from proxies.transformer.setup import Setup
-from proxies.transformer.stage_model import LAYER_TENSORS
 
 ATTN_TENSORS = LAYER_TENSORS[:8]  # ln_1, c_attn, c_proj, ln_2: every layer, MoE or not
 MLP_TENSORS = LAYER_TENSORS[8:]
@@ -145,3 +144,33 @@ class Layout:
             self.units += units
         self.dense_size, self.expert_size = d, e
         self.sp_size = sum(b - a for a, b in self.sp_ranges)
+
+
+def init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> dict:
+    """Layer l's tensors in full, drawn as proxies.gpt2 draws them, then rank r's shard."""
+    C, L = S.cfg.n_embd, S.cfg.n_layer
+    proj_std = 0.02 / math.sqrt(2 * L)
+    full = layer_shapes(C)
+    rng = np.random.default_rng([seed, 1, l])
+    out = {}
+    names = ATTN_TENSORS if S.moe else LAYER_TENSORS
+    for n in names:  # same order and stream as gpt2's StageModel._init_params
+        t = np.zeros(full[n])
+        if n.startswith("ln_") and n.endswith("weight"):
+            t.fill(1.0)
+        elif n.endswith("weight"):
+            normal(t, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
+        out[n] = shard(n, t, tp, r)
+    if S.moe:
+        F = S.moe.ffn_hidden
+        gate = np.zeros((S.moe.experts, C))
+        normal(gate, np.random.default_rng([seed, 2, l]), 0.02)
+        out["moe.gate.weight"] = gate
+        for i, ex in enumerate(experts):
+            rng = np.random.default_rng([seed, 3, l, ex])
+            fc, proj = np.zeros((F, C)), np.zeros((C, F))
+            normal(fc, rng, 0.02)
+            normal(proj, rng, proj_std)
+            out[f"experts.{i}.c_fc.weight"] = shard("c_fc.weight", fc, tp, r)
+            out[f"experts.{i}.c_proj.weight"] = shard("c_proj.weight", proj, tp, r)
+    return out

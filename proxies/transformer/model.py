@@ -28,66 +28,30 @@ The runtime runs a piece, the engine runs the plan's collective on `tp_buf` (or 
 Weights are initialised exactly as proxies.gpt2 (per global tensor, seed) in full and then
 sliced, so every tp gives the unsharded model's loss. Padded vocabulary rows are zero and are
 left out of the softmax (Megatron keeps them as logits), so the loss does not depend on tp.
+
+Speed (as GPT-2's model): the first write of a gradient in an iteration assigns instead of
+adding (`_fresh`), so there is no zeroing pass over the gradients; the LM head keeps its
+slice's exponentiated logits from the forward when they fit fast.DLOGITS_BUDGET (one matmul
+fewer in backward); weight gradients accumulate through the kernels' row blocks (no V x C
+temporary for the tied LM head), the embedding's by scattering rows. The kernels are a
+module (fast, or the reference kernels: same names and signatures).
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from types import ModuleType
 
 import numpy as np
 
-from proxies.transformer.config import layer_shapes
-from proxies.transformer.fast import (
-    CLASSIFIER_CHUNK,
-    adamw_update,
-    attention_backward,
-    attention_forward,
-    gelu_backward,
-    gelu_forward,
-    layernorm_backward,
-    layernorm_forward,
-    matmul_backward,
-    matmul_forward,
-)
-from proxies.transformer.layout import ATTN_TENSORS, Layout, shard
+from proxies.transformer import fast
+from proxies.transformer.config import normal
+from proxies.transformer.kernels import CLASSIFIER_CHUNK
+from proxies.transformer.layout import Layout, init_layer
 from proxies.transformer.moe import MoEPieces
 from proxies.transformer.setup import Chunk, Setup
 from proxies.transformer.sp import SequenceParallelPieces
-from proxies.transformer.stage_model import LAYER_TENSORS, _normal
-
-# ----------------------------------------------------------------------------------------
-# real compute
-
-
-def _init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> dict:
-    """Layer l's tensors in full, drawn as proxies.gpt2 draws them, then rank r's shard."""
-    C, L = S.cfg.n_embd, S.cfg.n_layer
-    proj_std = 0.02 / math.sqrt(2 * L)
-    full = layer_shapes(C)
-    rng = np.random.default_rng([seed, 1, l])
-    out = {}
-    names = ATTN_TENSORS if S.moe else LAYER_TENSORS
-    for n in names:  # same order and stream as gpt2's StageModel._init_params
-        t = np.zeros(full[n])
-        if n.startswith("ln_") and n.endswith("weight"):
-            t.fill(1.0)
-        elif n.endswith("weight"):
-            _normal(t, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
-        out[n] = shard(n, t, tp, r)
-    if S.moe:
-        F = S.moe.ffn_hidden
-        gate = np.zeros((S.moe.experts, C))
-        _normal(gate, np.random.default_rng([seed, 2, l]), 0.02)
-        out["moe.gate.weight"] = gate
-        for i, ex in enumerate(experts):
-            rng = np.random.default_rng([seed, 3, l, ex])
-            fc, proj = np.zeros((F, C)), np.zeros((C, F))
-            _normal(fc, rng, 0.02)
-            _normal(proj, rng, proj_std)
-            out[f"experts.{i}.c_fc.weight"] = shard("c_fc.weight", fc, tp, r)
-            out[f"experts.{i}.c_proj.weight"] = shard("c_proj.weight", proj, tp, r)
-    return out
+from proxies.transformer.state import ChunkActs, LayerActs
 
 
 class StageShard(MoEPieces, SequenceParallelPieces):
@@ -105,10 +69,12 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         ep_rank: int = 0,
         seed: int = 0,
         dtype=np.float32,
+        kernels: ModuleType = fast,
     ) -> None:
         if S.layers_only:
             raise ValueError("real compute needs the embedding and LM head (not layers_only)")
         self.S, self.stage, self.r, self.dtype = S, stage, tp_rank, np.dtype(dtype)
+        self.k = kernels
         self.layout = Layout(S, stage)
         self.chunks = {ch.index: ch for ch in self.layout.chunks}
         cfg, C, tp = S.cfg, S.cfg.n_embd, S.tp
@@ -116,6 +82,9 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         self.Vl = S.vocab // tp  # vocabulary rows held
         self.lo = tp_rank * self.Vl  # first vocabulary row held
         self.valid = max(0, min(self.Vl, cfg.vocab_size - self.lo))  # rows that are not padding
+        # The head keeps its slice's (N, Vl) probabilities for the backward when they fit
+        # (as GPT-2's classifier keeps dlogits): no second logits matmul.
+        self.keeps_logits = S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
         self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
         self.grads = np.zeros_like(self.params)
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
@@ -141,8 +110,9 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
         self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
-        self.saved: dict[tuple[int, int], SimpleNamespace] = {}  # (mb, chunk) in flight
-        self._pool: dict[int, list[SimpleNamespace]] = {c: [] for c in self.chunks}
+        self.saved: dict[tuple[int, int], ChunkActs] = {}  # (mb, chunk) in flight
+        self._pool: dict[int, list[ChunkActs]] = {c: [] for c in self.chunks}
+        self._written: set[str] = set()  # gradients written this iteration (see _fresh)
         self._scratch: dict[str, np.ndarray] = {}
         self.batch = None  # set by the runtime: mb -> (tokens, targets), both (B,T)
         self.loss_scale = 1.0
@@ -158,19 +128,29 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         S, w, C = self.S, self.w, self.S.cfg.n_embd
         if "wte" in w:  # full (V, C) as gpt2 draws it, then this rank's rows
             full = np.zeros((S.cfg.vocab_size, C), dtype=self.dtype)
-            _normal(full, np.random.default_rng([seed, 0, 0]), 0.02)
+            normal(full, np.random.default_rng([seed, 0, 0]), 0.02)
             w["wte"][: self.valid] = full[self.lo : self.lo + self.valid]
         if "wpe" in w:
-            _normal(w["wpe"], np.random.default_rng([seed, 0, 1]), 0.02)
+            normal(w["wpe"], np.random.default_rng([seed, 0, 1]), 0.02)
         if "ln_f.weight" in w:
             w["ln_f.weight"].fill(1.0)
         for ch in self.chunks.values():
             for l in ch.layers:
-                for n, t in _init_layer(S, l, seed, S.tp, self.r, self.experts).items():
+                for n, t in init_layer(S, l, seed, S.tp, self.r, self.experts).items():
                     w[f"h.{l}.{n}"][...] = t
 
     # ------------------------------------------------------------------------------------
     # buffers
+
+    def _fresh(self, name: str) -> bool:
+        """True the first time in an iteration a backward writes `name`'s gradient (and its
+        bias's, written with it): the kernel then assigns instead of adding, so no pass
+        zeroes the gradients. Order-free: pipelines interleave micro-batches and chunks,
+        and a stage holding both embedding and head writes wte twice."""
+        if name in self._written:
+            return False
+        self._written.add(name)
+        return True
 
     def scratch(self, name: str, *shape: int) -> np.ndarray:
         buf = self._scratch.get(name)
@@ -207,23 +187,23 @@ class StageShard(MoEPieces, SequenceParallelPieces):
     # ------------------------------------------------------------------------------------
     # saved state of one (micro-batch, chunk)
 
-    def _state(self, mb: int, c: int) -> SimpleNamespace:
+    def _state(self, mb: int, c: int) -> ChunkActs:
         key = (mb, c)
         st = self.saved.get(key)
         if st is None:
             st = self.saved[key] = self._pool[c].pop() if self._pool[c] else self._alloc(c)
         return st
 
-    def _alloc(self, c: int) -> SimpleNamespace:
+    def _alloc(self, c: int) -> ChunkActs:
         S, ch = self.S, self.chunks[c]
         B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
 
         def e(*shape: int) -> np.ndarray:
             return np.empty(shape, dtype=self.dtype)
 
-        st = SimpleNamespace(x0=e(B, Ts, C), dres=e(B, Ts, C), layers={})
+        st = ChunkActs(x0=e(B, Ts, C), dres=e(B, Ts, C), layers={})
         for l in ch.layers:
-            a = SimpleNamespace(
+            a = LayerActs(
                 ln1=e(B, Ts, C),
                 ln1_mean=e(B, Ts),
                 ln1_rstd=e(B, Ts),
@@ -241,6 +221,8 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             st.layers[l] = a
         if ch.head:
             st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(B, Ts), e(B, Ts), e(B, T)
+            if self.keeps_logits:
+                st.probs, st.mx = e(S.N, self.valid), e(S.N)
         return st
 
     def _free(self, mb: int, c: int) -> None:
@@ -266,7 +248,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
     # ------------------------------------------------------------------------------------
     # forward
 
-    def _fwd_embed(self, st, ch: Chunk, mb: int) -> None:
+    def _fwd_embed(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """Partial token embedding from this rank's vocabulary rows, for the allreduce."""
         tokens, _ = self.batch(mb)
         st.tokens = tokens
@@ -279,7 +261,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             out.fill(0)
             out[mask] = self.w["wte"][local[mask]]
 
-    def _chunk_input(self, st, ch: Chunk, mb: int) -> np.ndarray:
+    def _chunk_input(self, st: ChunkActs, ch: Chunk, mb: int) -> np.ndarray:
         """x0 (B,Ts,C): the embedding (after its allreduce, plus wpe) or the received input."""
         S = self.S
         if ch.embed:
@@ -292,13 +274,13 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             st.x0[...] = self.message("act_in", mb, ch.index)
         return st.x0
 
-    def _layer_input(self, st, ch: Chunk, mb: int, l: int) -> np.ndarray:
+    def _layer_input(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> np.ndarray:
         """Input of layer l: the chunk input, or layer l-1's output (finishing its MLP)."""
         if l == ch.layers[0]:
             return self._chunk_input(st, ch, mb)
         return self._finish_mlp(st, l - 1)
 
-    def _finish_mlp(self, st, l: int) -> np.ndarray:
+    def _finish_mlp(self, st: ChunkActs, l: int) -> np.ndarray:
         """res3 = res2 + (reduced MLP output) + fcproj bias: layer l's output."""
         a = st.layers[l]
         np.add(a.res2, self._reduced_block(), out=a.res3)
@@ -306,7 +288,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             a.res3 += self.w[f"h.{l}.mlp.c_proj.bias"]
         return a.res3
 
-    def _fwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
+    def _fwd_attn(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
         """ln1 (unless sequence parallel did it), qkv for local heads, attention, partial proj."""
         a, w, p = st.layers[l], self.w, f"h.{l}."
         if self.S.sp:  # gathered for the matmul, not kept: backward gathers it again
@@ -314,26 +296,26 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         else:
             a.inp = self._layer_input(st, ch, mb, l)
             ln1 = a.ln1
-            layernorm_forward(
+            self.k.layernorm_forward(
                 ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[p + "ln_1.weight"], w[p + "ln_1.bias"]
             )
-        matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
-        attention_forward(a.atty, a.att, a.qkv, self.NHl)
+        self.k.matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
+        self.k.attention_forward(a.atty, a.att, a.qkv, self.NHl)
         out = self._partial_out()
-        matmul_forward(out, a.atty, w[p + "attn.c_proj.weight"], None)
+        self.k.matmul_forward(out, a.atty, w[p + "attn.c_proj.weight"], None)
         if self.S.sp:
             self._scatter(out)
 
-    def _finish_attn(self, st, l: int) -> None:
+    def _finish_attn(self, st: ChunkActs, l: int) -> None:
         """res2 = inp + (reduced attention output) + proj bias, then ln2."""
         a, w, p = st.layers[l], self.w, f"h.{l}."
         np.add(a.inp, self._reduced_block(), out=a.res2)
         a.res2 += w[p + "attn.c_proj.bias"]
-        layernorm_forward(
+        self.k.layernorm_forward(
             a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w[p + "ln_2.weight"], w[p + "ln_2.bias"]
         )
 
-    def _fwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
+    def _fwd_mlp(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
         """fc (local 4C/tp rows), GELU, partial fcproj."""
         a, w, p = st.layers[l], self.w, f"h.{l}.mlp."
         if self.S.sp:
@@ -341,27 +323,27 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         else:
             self._finish_attn(st, l)
             ln2 = a.ln2
-        matmul_forward(a.fch, ln2, w[p + "c_fc.weight"], w[p + "c_fc.bias"])
-        gelu_forward(a.fch_gelu, a.fch)
+        self.k.matmul_forward(a.fch, ln2, w[p + "c_fc.weight"], w[p + "c_fc.bias"])
+        self.k.gelu_forward(a.fch_gelu, a.fch)
         out = self._partial_out()
-        matmul_forward(out, a.fch_gelu, w[p + "c_proj.weight"], None)
+        self.k.matmul_forward(out, a.fch_gelu, w[p + "c_proj.weight"], None)
         if self.S.sp:
             self._scatter(out)
 
-    def _fwd_out(self, st, ch: Chunk, mb: int) -> None:
+    def _fwd_out(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """The chunk's output, to be sent to the next stage (valid until its backward)."""
         self.io[("act_out", mb, ch.index)] = self._finish_mlp(st, ch.layers[-1])
 
-    def _fwd_lnf(self, st, ch: Chunk, mb: int) -> None:
+    def _fwd_lnf(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """Final layernorm (on the sequence shard under sequence parallelism)."""
         x = self._finish_mlp(st, ch.layers[-1])
-        layernorm_forward(
+        self.k.layernorm_forward(
             st.lnf, st.lnf_mean, st.lnf_rstd, x, self.w["ln_f.weight"], self.w["ln_f.bias"]
         )
         if self.S.sp:
             self._share(st.lnf)
 
-    def _fwd_head(self, st, ch: Chunk, mb: int) -> None:
+    def _fwd_head(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """Logits of this rank's vocabulary slice; per token (max, sum-exp, target logit) into
         this rank's block of ce_buf for the allgather."""
         S = self.S
@@ -377,7 +359,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         mx, se, tl = stats
         tl.fill(0)
         W = self.w["wte"][: self.valid]
-        for i, n, logits in self._logit_chunks(x, W):
+        for i, n, logits in self._logit_chunks(x, W, st.probs):
             rows = np.arange(n)
             tt = t[i : i + n]
             mine = (tt >= 0) & (tt < self.valid)
@@ -385,12 +367,19 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             m = logits.max(axis=1) if self.valid else np.full(n, -np.inf, self.dtype)
             mx[i : i + n] = m
             logits -= m[:, None]
-            np.exp(logits, out=logits)
+            np.exp(logits, out=logits)  # kept in st.probs when it fits
             se[i : i + n] = logits.sum(axis=1)
+        if st.mx is not None:
+            st.mx[...] = mx
 
-    def _logit_chunks(self, x: np.ndarray, W: np.ndarray):
-        """(first row, rows, logits (rows, V held)) over row chunks of x (bounded memory)."""
+    def _logit_chunks(self, x: np.ndarray, W: np.ndarray, into: np.ndarray | None = None):
+        """(first row, rows, logits (rows, V held)) over row chunks of x (bounded memory);
+        into (N, V held) given: all rows at once, there (one matmul at the full GEMM rate)."""
         N, Vv = x.shape[0], max(1, W.shape[0])
+        if into is not None:
+            np.matmul(x, W.T, out=into)
+            yield 0, N, into
+            return
         R = max(1, min(N, CLASSIFIER_CHUNK // Vv))
         buf = self.scratch("logits", R, W.shape[0])
         for i in range(0, N, R):
@@ -398,7 +387,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             np.matmul(x[i : i + n], W.T, out=buf[:n])
             yield i, n, buf[:n]
 
-    def _fwd_loss(self, st, ch: Chunk, mb: int) -> float:
+    def _fwd_loss(self, st: ChunkActs, ch: Chunk, mb: int) -> float:
         """Cross-entropy from every slice's statistics: lse = M + log sum_r s_r e^(m_r - M)."""
         S = self.S
         stats = self.ce_buf.reshape(S.tp, 3, S.N).astype(np.float64)
@@ -412,7 +401,7 @@ class StageShard(MoEPieces, SequenceParallelPieces):
     # ------------------------------------------------------------------------------------
     # backward
 
-    def _bwd_head(self, st, ch: Chunk, mb: int) -> None:
+    def _bwd_head(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """dlogits = (softmax - onehot) * scale / N on this slice; partial dx into tp_buf;
         wte gradient of this slice (the tied LM head). Sequence parallel: with ln_f's output
         gathered again (sp.py), cut for the reduce-scatter."""
@@ -421,29 +410,39 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         t = st.targets.reshape(-1) - self.lo
         lse = st.lse.reshape(-1)
         out = self._partial_out().reshape(-1, C)
-        out.fill(0)
         W, dW = self.w["wte"][: self.valid], self.g["wte"][: self.valid]
         scale = float(st.loss_scale) / S.N
-        for i, n, dlogits in self._logit_chunks(x, W):
-            dlogits -= lse[i : i + n, None]
-            np.exp(dlogits, out=dlogits)
+        fresh = self._fresh("wte")
+        if fresh:  # padding rows get no gradient
+            self.g["wte"][self.valid :] = 0
+        if st.probs is not None:  # softmax = exp(logits - mx) * exp(mx - lse): no matmul
+            chunks = [(0, S.N, st.probs)]
+            st.probs *= (np.exp(st.mx - lse) * scale)[:, None]  # mx -inf: no rows held
+        else:
+            chunks = self._logit_chunks(x, W)
+        for i, n, dlogits in chunks:
+            if st.probs is None:
+                dlogits -= lse[i : i + n, None]
+                np.exp(dlogits, out=dlogits)
+                dlogits *= scale
             tt = t[i : i + n]
             mine = (tt >= 0) & (tt < self.valid)
-            dlogits[np.arange(n)[mine], tt[mine]] -= 1.0
-            dlogits *= scale
-            out[i : i + n] += dlogits @ W
-            dW += dlogits.T @ x[i : i + n]
+            dlogits[np.arange(n)[mine], tt[mine]] -= scale
+            # out rows written, dW (V held, C) through the kernels' row blocks
+            self.k.matmul_backward(
+                out[i : i + n], dW, None, dlogits, x[i : i + n], W, True, fresh and i == 0
+            )
         if S.sp:
             self._scatter(out.reshape(S.B, S.T, C))
 
-    def _dres_top(self, st, ch: Chunk, mb: int) -> np.ndarray:
+    def _dres_top(self, st: ChunkActs, ch: Chunk, mb: int) -> np.ndarray:
         """Gradient w.r.t. the chunk's output (B,Ts,C): from ln_f's backward on the head
         chunk (after the allreduce / reduce-scatter of dlnf), else the received gradient."""
         if ch.head:
-            st.dres.fill(0)
+            st.dres.fill(0)  # layernorm_backward adds dinp: the residual stream starts here
             w, g = self.w, self.g
             x = st.layers[ch.layers[-1]].res3
-            layernorm_backward(
+            self.k.layernorm_backward(
                 st.dres,
                 g["ln_f.weight"],
                 g["ln_f.bias"],
@@ -452,15 +451,16 @@ class StageShard(MoEPieces, SequenceParallelPieces):
                 w["ln_f.weight"],
                 st.lnf_mean,
                 st.lnf_rstd,
+                self._fresh("ln_f.weight"),
             )
         else:
             st.dres[...] = self.message("grad_out", mb, ch.index)
         return st.dres
 
-    def _finish_ln1(self, st, l: int) -> None:
+    def _finish_ln1(self, st: ChunkActs, l: int) -> None:
         """dres += ln1 backward of layer l (dln1 reduced in tp_buf): dres becomes dL/d inp."""
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.ln_1."
-        layernorm_backward(
+        self.k.layernorm_backward(
             st.dres,
             g[p + "weight"],
             g[p + "bias"],
@@ -469,49 +469,49 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             w[p + "weight"],
             a.ln1_mean,
             a.ln1_rstd,
+            self._fresh(p + "weight"),
         )
 
-    def _layer_dres(self, st, ch: Chunk, mb: int, l: int) -> np.ndarray:
+    def _layer_dres(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> np.ndarray:
         """dL/d(layer l's output): the chunk's top gradient, or layer l+1's ln1 backward."""
         if l == ch.layers[-1]:
             return self._dres_top(st, ch, mb)
         self._finish_ln1(st, l + 1)
         return st.dres
 
-    def _bwd_mlp(self, st, ch: Chunk, mb: int, l: int) -> None:
+    def _bwd_mlp(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
         """fcproj, GELU and fc backward: partial dln2 into tp_buf for the allreduce."""
         self._layer_dres(st, ch, mb, l)
         self._mlp_out_backward(st, l, st.dres)
         self._mlp_in_backward(st, l, st.layers[l].ln2, self._full())
 
-    def _mlp_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+    def _mlp_out_backward(self, st: ChunkActs, l: int, dout: np.ndarray) -> None:
         """fcproj (row-parallel) and GELU backward: dfch in a scratch for fc's backward.
         dout is the (B,T,C) output gradient; the bias is added after the reduction, so its
         gradient is dres (the shard under sequence parallelism: summed over TP later)."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.mlp."
-        g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
+        self._bias_backward(p + "c_proj.bias", st.dres)
         dgelu = self.scratch("dfch_gelu", S.B, S.T, 4 * C // S.tp)
         dfch = self.scratch("dfch", S.B, S.T, 4 * C // S.tp)
-        dgelu.fill(0)
-        dfch.fill(0)
         wn = p + "c_proj.weight"
-        matmul_backward(dgelu, g[wn], None, dout, a.fch_gelu, w[wn])
-        gelu_backward(dfch, a.fch, dgelu)
+        self.k.matmul_backward(dgelu, g[wn], None, dout, a.fch_gelu, w[wn], True, self._fresh(wn))
+        self.k.gelu_backward(dfch, a.fch, dgelu, fresh=True)
 
-    def _mlp_in_backward(self, st, l: int, ln2: np.ndarray, out: np.ndarray) -> None:
+    def _mlp_in_backward(self, st: ChunkActs, l: int, ln2: np.ndarray, out: np.ndarray) -> None:
         """fc (column-parallel) backward from the scratch dfch: weight gradient with its
         input ln2 (B,T,C), the partial input gradient into out."""
         S, w, g, p = self.S, self.w, self.g, f"h.{l}.mlp."
         dfch = self.scratch("dfch", S.B, S.T, 4 * S.cfg.n_embd // S.tp)
-        out.fill(0)
         wn = p + "c_fc.weight"
-        matmul_backward(out, g[wn], g[p + "c_fc.bias"], dfch, ln2, w[wn])
+        self.k.matmul_backward(
+            out, g[wn], g[p + "c_fc.bias"], dfch, ln2, w[wn], True, self._fresh(wn)
+        )
 
-    def _finish_ln2(self, st, l: int) -> None:
+    def _finish_ln2(self, st: ChunkActs, l: int) -> None:
         """dres += ln2 backward (dln2 reduced in tp_buf): dres becomes dL/d res2."""
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.ln_2."
-        layernorm_backward(
+        self.k.layernorm_backward(
             st.dres,
             g[p + "weight"],
             g[p + "bias"],
@@ -520,41 +520,51 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             w[p + "weight"],
             a.ln2_mean,
             a.ln2_rstd,
+            self._fresh(p + "weight"),
         )
 
-    def _bwd_attn(self, st, ch: Chunk, mb: int, l: int) -> None:
+    def _bwd_attn(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
         """proj, attention and qkv backward: partial dln1 into tp_buf for the allreduce."""
         self._finish_ln2(st, l)
         self._attn_out_backward(st, l, st.dres)
         self._attn_in_backward(st, l, st.layers[l].ln1, self._full())
 
-    def _attn_out_backward(self, st, l: int, dout: np.ndarray) -> None:
+    def _attn_out_backward(self, st: ChunkActs, l: int, dout: np.ndarray) -> None:
         """proj (row-parallel) and attention backward: dqkv in a scratch for qkv's."""
         S, C = self.S, self.S.cfg.n_embd
         a, w, g, p = st.layers[l], self.w, self.g, f"h.{l}.attn."
-        g[p + "c_proj.bias"] += st.dres.reshape(-1, C).sum(axis=0)
+        self._bias_backward(p + "c_proj.bias", st.dres)
         datty = self.scratch("datty", S.B, S.T, C // S.tp)
         dqkv = self.scratch("dqkv", S.B, S.T, 3 * C // S.tp)
-        datty.fill(0)
-        dqkv.fill(0)
         wn = p + "c_proj.weight"
-        matmul_backward(datty, g[wn], None, dout, a.atty, w[wn])
-        attention_backward(dqkv, datty, a.qkv, a.att, self.NHl)
+        self.k.matmul_backward(datty, g[wn], None, dout, a.atty, w[wn], True, self._fresh(wn))
+        self.k.attention_backward(dqkv, datty, a.qkv, a.att, self.NHl, fresh=True)
 
-    def _attn_in_backward(self, st, l: int, ln1: np.ndarray, out: np.ndarray) -> None:
+    def _attn_in_backward(self, st: ChunkActs, l: int, ln1: np.ndarray, out: np.ndarray) -> None:
         """qkv (column-parallel) backward from the scratch dqkv: weight gradient with its
         input ln1 (B,T,C), the partial input gradient into out."""
         S, w, g, p = self.S, self.w, self.g, f"h.{l}.attn."
         dqkv = self.scratch("dqkv", S.B, S.T, 3 * S.cfg.n_embd // S.tp)
-        out.fill(0)
         wn = p + "c_attn.weight"
-        matmul_backward(out, g[wn], g[p + "c_attn.bias"], dqkv, ln1, w[wn])
+        self.k.matmul_backward(
+            out, g[wn], g[p + "c_attn.bias"], dqkv, ln1, w[wn], True, self._fresh(wn)
+        )
 
-    def _send_grad(self, st, ch: Chunk, mb: int) -> None:
+    def _bias_backward(self, name: str, dres: np.ndarray) -> None:
+        """A row-parallel bias (added after the reduction): its gradient is dres (B,Ts,C)
+        summed over tokens (under sequence parallelism the shard's part: summed over TP
+        later, sp_pack)."""
+        d, g = dres.reshape(-1, dres.shape[-1]), self.g[name]
+        if self._fresh(name):
+            np.sum(d, axis=0, out=g)
+        else:
+            g += d.sum(axis=0)
+
+    def _send_grad(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         self.message("grad_in", mb, ch.index)[...] = st.dres
         self._free(mb, ch.index)
 
-    def _bwd_end(self, st, ch: Chunk, mb: int) -> None:
+    def _bwd_end(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """ln1 backward of the chunk's bottom layer, then the embedding backward or the
         input gradient for the previous stage."""
         self._finish_ln1(st, ch.layers[0])
@@ -563,12 +573,23 @@ class StageShard(MoEPieces, SequenceParallelPieces):
         else:
             self._send_grad(st, ch, mb)
 
-    def _embed_backward(self, st, ch: Chunk, mb: int, d: np.ndarray) -> None:
-        S, C = self.S, self.S.cfg.n_embd
-        self.g["wpe"][: S.T] += d.sum(axis=0)
-        local = st.tokens.reshape(-1) - self.lo
-        mask = (local >= 0) & (local < self.valid)
-        np.add.at(self.g["wte"], local[mask], d.reshape(-1, C)[mask])
+    def _embed_backward(self, st: ChunkActs, ch: Chunk, mb: int, d: np.ndarray) -> None:
+        """wpe and this rank's wte rows from d (B,T,C): rows scattered, no V x C temporary."""
+        g, fresh_wte, fresh_wpe = self.g, self._fresh("wte"), self._fresh("wpe")
+        if self.S.tp == 1:  # every token is this rank's: GPT-2's encoder backward
+            self.k.encoder_backward(g["wte"], g["wpe"], d, st.tokens, fresh_wpe, fresh_wte)
+        else:
+            C, T = self.S.cfg.n_embd, self.S.T
+            if fresh_wpe:
+                g["wpe"][T:] = 0
+                np.sum(d, axis=0, out=g["wpe"][:T])
+            else:
+                g["wpe"][:T] += d.sum(axis=0)
+            if fresh_wte:
+                g["wte"].fill(0)
+            local = st.tokens.reshape(-1) - self.lo
+            mask = (local >= 0) & (local < self.valid)
+            np.add.at(g["wte"], local[mask], d.reshape(-1, C)[mask])
         self._free(mb, ch.index)
 
     # ------------------------------------------------------------------------------------
@@ -589,15 +610,16 @@ class StageShard(MoEPieces, SequenceParallelPieces):
             i += hi - lo
 
     def step(self, lr: float, weight_decay: float = 0.0) -> None:
-        """AdamW over both flat arrays, then zero the gradients."""
+        """AdamW over both flat arrays; the next iteration's backward writes the gradients
+        afresh (no zeroing pass)."""
         if self.m is None:
             self.m, self.v = np.zeros_like(self.params), np.zeros_like(self.params)
             self.em, self.ev = np.zeros_like(self.eparams), np.zeros_like(self.eparams)
         self.t += 1
-        adamw_update(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
+        adamw = self.k.adamw_update
+        adamw(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
         if self.eparams.size:
-            adamw_update(
+            adamw(
                 self.eparams, self.egrads, self.em, self.ev, self.t, lr, weight_decay=weight_decay
             )
-        self.grads.fill(0)
-        self.egrads.fill(0)
+        self._written.clear()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.transformer.fast import gelu_backward, gelu_forward, matmul_backward, matmul_forward
 from proxies.transformer.setup import Chunk
 
 
@@ -84,11 +83,11 @@ class MoEPieces:
             p = f"h.{l}.experts.{e}."
             x = buf[:, e].reshape(-1, C).copy()
             fch = np.empty((x.shape[0], moe.ffn_hidden // S.tp), dtype=self.dtype)
-            matmul_forward(fch, x, w[p + "c_fc.weight"], None)
+            self.k.matmul_forward(fch, x, w[p + "c_fc.weight"], None)
             gel = np.empty_like(fch)
-            gelu_forward(gel, fch)
+            self.k.gelu_forward(gel, fch)
             out = np.empty_like(x)
-            matmul_forward(out, gel, w[p + "c_proj.weight"], None)  # partial over TP
+            self.k.matmul_forward(out, gel, w[p + "c_proj.weight"], None)  # partial over TP
             buf[:, e] = out.reshape(-1, self.cap, C)
             a.ex.append((x, fch, gel))
 
@@ -122,17 +121,17 @@ class MoEPieces:
     def _bwd_expert(self, st, ch: Chunk, mb: int, l: int) -> None:
         """Every local expert's backward; input gradients (partial over TP) back in place."""
         C = self.S.cfg.n_embd
-        a, w, g = st.layers[l], self.w, self.g
+        a, w, g, k = st.layers[l], self.w, self.g, self.k
         buf = self._expert_tokens()
         for e, (x, fch, gel) in enumerate(a.ex):
             p = f"h.{l}.experts.{e}."
             dout = buf[:, e].reshape(-1, C).copy()
-            dgel = np.zeros_like(gel)
-            matmul_backward(dgel, g[p + "c_proj.weight"], None, dout, gel, w[p + "c_proj.weight"])
-            dfch = np.zeros_like(fch)
-            gelu_backward(dfch, fch, dgel)
-            dx = np.zeros_like(x)
-            matmul_backward(dx, g[p + "c_fc.weight"], None, dfch, x, w[p + "c_fc.weight"])
+            dgel, dfch, dx = np.empty_like(gel), np.empty_like(fch), np.empty_like(x)
+            wn = p + "c_proj.weight"
+            k.matmul_backward(dgel, g[wn], None, dout, gel, w[wn], True, self._fresh(wn))
+            k.gelu_backward(dfch, fch, dgel, fresh=True)
+            wn = p + "c_fc.weight"
+            k.matmul_backward(dx, g[wn], None, dfch, x, w[wn], True, self._fresh(wn))
             buf[:, e] = dx.reshape(-1, self.cap, C)  # partial over TP
 
     def _bwd_gate(self, st, ch: Chunk, mb: int, l: int) -> None:
@@ -152,6 +151,9 @@ class MoEPieces:
         np.put_along_axis(dlogits, a.topk, dz, axis=1)
         wn = f"h.{l}.moe.gate.weight"
         x = a.ln2.reshape(-1, C)
-        self.g[wn] += dlogits.T @ x
+        if self._fresh(wn):
+            np.matmul(dlogits.T, x, out=self.g[wn])
+        else:
+            self.g[wn] += dlogits.T @ x
         if S.sp or self.r == 0:
             dx += dlogits @ self.w[wn]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxies.transformer.fast import layernorm_forward
 from proxies.transformer.setup import Chunk
 
 
@@ -67,7 +66,7 @@ class SequenceParallelPieces:
         """Layernorm on the shard (the shard is what backward keeps), for the allgather."""
         a, w = st.layers[l], self.w
         a.inp = self._layer_input(st, ch, mb, l)
-        layernorm_forward(
+        self.k.layernorm_forward(
             a.ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[f"h.{l}.ln_1.weight"], w[f"h.{l}.ln_1.bias"]
         )
         self._share(a.ln1)

@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxies.transformer import fast, kernels
-from proxies.transformer.config import GPT2Config, layer_shapes, layout_size, stage_layout
+from proxies.transformer.config import (
+    LAYER_TENSORS,
+    GPT2Config,
+    layout_size,
+    normal,
+    stage_layout,
+)
 
 # The kernels a StageModel runs: the fast ones, or the reference ones (tests compare them).
 KERNELS = {"fast": fast, "plain": kernels}
-
-# One transformer layer's 12 tensors in layout order (shapes: config.layer_shapes).
-LAYER_TENSORS = tuple(layer_shapes(1))
 
 
 @dataclass
@@ -95,15 +98,13 @@ class StageModel:
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {sorted(KERNELS)}, got {kernels!r}")
         self.k = KERNELS[kernels]
-        # The fast classifier leaves dlogits (B*T, V) for the backward when they fit.
+        # The classifier leaves dlogits (B*T, V) for the backward when they fit.
         self.save_dlogits = (
-            kernels == "fast"
-            and last
-            and B * T * cfg.vocab_size * self.dtype.itemsize <= fast.DLOGITS_BUDGET
+            last and B * T * cfg.vocab_size * self.dtype.itemsize <= fast.DLOGITS_BUDGET
         )
-        # Fast kernels: the next backward writes every gradient instead of adding to it, so
-        # zero_grad() need not pass over them (reference kernels: zero_grad() fills zeros).
-        self._overwrite = self.k is fast
+        # The next backward writes every gradient instead of adding to it, so zero_grad()
+        # need not pass over them.
+        self._overwrite = True
         C, V = cfg.n_embd, cfg.vocab_size
 
         self.layout = stage_layout(cfg, layers, first, last)
@@ -150,9 +151,9 @@ class StageModel:
         """
         cfg, w = self.cfg, self.views
         if "wte" in w:
-            _normal(w["wte"], np.random.default_rng([self.seed, 0, 0]), 0.02)
+            normal(w["wte"], np.random.default_rng([self.seed, 0, 0]), 0.02)
         if "wpe" in w:
-            _normal(w["wpe"], np.random.default_rng([self.seed, 0, 1]), 0.02)
+            normal(w["wpe"], np.random.default_rng([self.seed, 0, 1]), 0.02)
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         for l in self.layers:
             rng = np.random.default_rng([self.seed, 1, l])
@@ -161,7 +162,7 @@ class StageModel:
                 if n.startswith("ln_") and n.endswith("weight"):
                     p.fill(1.0)
                 elif n.endswith("weight"):
-                    _normal(p, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
+                    normal(p, rng, proj_std if n.endswith("c_proj.weight") else 0.02)
         if self.last:
             w["ln_f.weight"].fill(1.0)
 
@@ -249,12 +250,7 @@ class StageModel:
         self.k.layernorm_forward(
             a.lnf, a.lnf_mean, a.lnf_rstd, a.out, w["ln_f.weight"], w["ln_f.bias"]
         )
-        if self.save_dlogits:
-            loss = fast.classifier_forward(
-                a.lse, a.lnf, w["wte"], a.targets, a.dlogits, a.loss_scale
-            )
-        else:
-            loss = self.k.classifier_forward(a.lse, a.lnf, w["wte"], a.targets)
+        loss = self.k.classifier_forward(a.lse, a.lnf, w["wte"], a.targets, a.dlogits, a.loss_scale)
         self._saved[mb] = a  # only now: a forward that raised leaves nothing in flight
         return loss
 
@@ -316,26 +312,35 @@ class StageModel:
         if name == "head":
             dlnf = self._get_scratch()["dln"]
             if self.save_dlogits:
-                fast.classifier_backward_saved(
+                self.k.classifier_backward_saved(
                     dlnf, g["wte"], a.lnf, w["wte"], a.dlogits, dinp_fresh=True, fresh=a.fresh
                 )
             else:
-                dlnf.fill(0)
-                if a.fresh:
-                    g["wte"].fill(0)
                 self.k.classifier_backward(
-                    dlnf, g["wte"], a.lnf, w["wte"], a.targets, a.lse, a.loss_scale
+                    dlnf,
+                    g["wte"],
+                    a.lnf,
+                    w["wte"],
+                    a.targets,
+                    a.lse,
+                    a.loss_scale,
+                    dinp_fresh=True,
+                    fresh=a.fresh,
                 )
             wn, bn = "ln_f.weight", "ln_f.bias"
-            self._layernorm_backward(
+            self.k.layernorm_backward(
                 dres, g[wn], g[bn], dlnf, a.out, w[wn], a.lnf_mean, a.lnf_rstd, a.fresh
             )
         elif name == "embed":
-            if a.fresh:  # the head wrote wte's gradient already on a single stage
-                g["wpe"].fill(0)
-                if not self.last:
-                    g["wte"].fill(0)
-            self.k.encoder_backward(g["wte"], g["wpe"], dres, a.tokens)
+            # fresh: wpe's gradient is written; wte's too unless the head wrote it already
+            self.k.encoder_backward(
+                g["wte"],
+                g["wpe"],
+                dres,
+                a.tokens,
+                fresh=a.fresh,
+                dwte_fresh=a.fresh and not self.last,
+            )
         else:
             self._layer_backward(self.layers[k], a.layers[k], dres, a.fresh)
         a.next_piece = i + 1
@@ -364,49 +369,34 @@ class StageModel:
         each branch's dout and the branch's layernorm_backward adds into it: residual_backward
         without the copies.
         """
-        w, g, NH = self._layer_views[l], self._layer_grads[l], self.cfg.n_head
-        s, mm = self._get_scratch(), self._matmul_backward
-        # MLP branch: dres = dL/d(res3) -> dL/d(res2)
+        w, g, NH, k = self._layer_views[l], self._layer_grads[l], self.cfg.n_head, self.k
+        s = self._get_scratch()
+        # MLP branch: dres = dL/d(res3) -> dL/d(res2); scratch input gradients are written
         wn = "mlp.c_proj.weight"
-        mm(s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn], fresh)
-        if self.k is fast:
-            fast.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"], fresh=True)
-        else:
-            s["dfch"].fill(0)
-            kernels.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"])
+        k.matmul_backward(
+            s["dfch_gelu"], g[wn], g["mlp.c_proj.bias"], dres, a.fch_gelu, w[wn], True, fresh
+        )
+        k.gelu_backward(s["dfch"], a.fch, s["dfch_gelu"], fresh=True)
         wn = "mlp.c_fc.weight"
-        mm(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn], fresh)
+        k.matmul_backward(s["dln"], g[wn], g["mlp.c_fc.bias"], s["dfch"], a.ln2, w[wn], True, fresh)
         wn, bn = "ln_2.weight", "ln_2.bias"
-        self._layernorm_backward(
+        k.layernorm_backward(
             dres, g[wn], g[bn], s["dln"], a.res2, w[wn], a.ln2_mean, a.ln2_rstd, fresh
         )
         # attention branch: dres = dL/d(res2) -> dL/d(inp)
         wn = "attn.c_proj.weight"
-        mm(s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn], fresh)
-        s["dqkv"].fill(0)
-        self.k.attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH)
+        k.matmul_backward(
+            s["datty"], g[wn], g["attn.c_proj.bias"], dres, a.atty, w[wn], True, fresh
+        )
+        k.attention_backward(s["dqkv"], s["datty"], a.qkv, a.att, NH, fresh=True)
         wn = "attn.c_attn.weight"
-        mm(s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn], fresh)
+        k.matmul_backward(
+            s["dln"], g[wn], g["attn.c_attn.bias"], s["dqkv"], a.ln1, w[wn], True, fresh
+        )
         wn, bn = "ln_1.weight", "ln_1.bias"
-        self._layernorm_backward(
+        k.layernorm_backward(
             dres, g[wn], g[bn], s["dln"], a.inp, w[wn], a.ln1_mean, a.ln1_rstd, fresh
         )
-
-    def _layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh):
-        """dinp accumulated; dweight, dbias too, or written when `fresh`."""
-        if self.k is fast:
-            fast.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, fresh)
-        else:
-            kernels.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
-
-    def _matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, fresh: bool) -> None:
-        """dinp (scratch) written; dweight, dbias accumulated, or written when `fresh` (this
-        micro-batch is the first since zero_grad: see _overwrite)."""
-        if self.k is fast:
-            fast.matmul_backward(dinp, dweight, dbias, dout, inp, weight, True, fresh)
-        else:
-            dinp.fill(0)
-            kernels.matmul_backward(dinp, dweight, dbias, dout, inp, weight)
 
     def free(self, mb: int) -> None:
         """Drop mb's saved state without a backward (evaluation-only forwards)."""
@@ -416,13 +406,10 @@ class StageModel:
     # optimizer and FLOPs
 
     def zero_grad(self) -> None:
-        """Gradients to zero. With the fast kernels no pass over them: the next backward
-        writes them instead of adding to them (they read as stale values until it runs;
-        only backward writes into grads before the caller's allreduces)."""
-        if self.k is fast:
-            self._overwrite = True
-        else:
-            self.grads.fill(0)
+        """Gradients to zero, without a pass over them: the next backward writes them
+        instead of adding to them (they read as stale values until it runs; only backward
+        writes into grads before the caller's allreduces)."""
+        self._overwrite = True
 
     def step(self, lr: float, weight_decay: float = 0.0) -> None:
         """One AdamW step (beta1 0.9, beta2 0.999, eps 1e-8) over the whole flat buffer."""
@@ -449,16 +436,6 @@ class StageModel:
     def flops_backward(self) -> float:
         """Backward FLOPs of one micro-batch: twice the forward (gradients of input and weight)."""
         return 2.0 * self.flops_forward()
-
-
-def _normal(out: np.ndarray, rng: np.random.Generator, std: float) -> None:
-    """out = N(0, std) drawn in float64 a block of rows at a time (bounded temporary)."""
-    rows = out.reshape(out.shape[0], -1)
-    step = max(1, (1 << 20) // rows.shape[1])
-    for i in range(0, rows.shape[0], step):
-        block = rng.standard_normal(rows[i : i + step].shape)
-        block *= std
-        rows[i : i + step] = block
 
 
 def _expect(what: str, x: np.ndarray | None, shape: tuple[int, ...]) -> None:
