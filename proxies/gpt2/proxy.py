@@ -283,7 +283,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         model=args.model,
         schedule=args.schedule,
         sync="zero1" if args.zero else args.grad_sync,
-        zero=args.zero,
         bucket_mb=bucket_mb,
     )
     return S, grid
@@ -303,7 +302,7 @@ def sync_text(S: Setup) -> str:
 
 def make_job(args, world: int) -> runner.Job:
     S, grid = resolve(args, world)
-    cfg, split, pp, dp, m, B, T = S.cfg, list(S.split), S.pp, S.dp, S.m, S.B, S.T
+    cfg, split, pp, dp, m, T = S.cfg, list(S.split), S.pp, S.dp, S.m, S.T
     parity = S.schedule == "cpp"
     # The C++ schedule trains nothing: no data.
     source = options.token_source(args, cfg.vocab_size, T, needed=not parity)
@@ -316,7 +315,7 @@ def make_job(args, world: int) -> runner.Job:
             groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
             ops = cpp.cpp_ops(cfg, split[s], s, groups["pp"], m, act, dp)
             return Plan(rank, tuple(ops), groups, c)
-        return gpt2_plan(cfg, grid, split, rank, S.schedule, m, B, T, S.sync, S.bucket)
+        return gpt2_plan(S, grid, rank)
 
     def label(rank: int) -> str:
         s = grid.coords(rank)["pp"]
@@ -344,18 +343,18 @@ def make_job(args, world: int) -> runner.Job:
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
-        memory=lambda rank, plan: estimate_memory(cfg, split, grid, args, lambda _: plan, rank),
+        memory=lambda rank, plan: estimate_memory(cfg, split, grid, args, plan, rank),
         categories=SPEC.categories,
         short=SPEC.short,
     )
 
 
-def estimate_memory(cfg, split, grid, args, plan, rank: int) -> dict[str, int]:
+def estimate_memory(cfg, split, grid, args, plan: Plan, rank: int) -> dict[str, int]:
     from proxies.gpt2.memory import estimate
 
     c = grid.coords(rank)
     s, dp = c["pp"], grid.degree("dp")
-    return estimate(cfg, split[s], s, len(split), dp, c["dp"], args, plan(rank))
+    return estimate(cfg, split[s], s, len(split), dp, c["dp"], args, plan)
 
 
 # Gradient reductions (--grad-dtype); the rest, ZeRO's parameter allgather included, is --dtype.

@@ -364,39 +364,28 @@ def gpt2_ops(
     return out
 
 
-def gpt2_plan(
-    cfg: GPT2Config,
-    grid: ProcessGrid,
-    split: list[range],
-    rank: int,
-    schedule: str,
-    m: int,
-    B: int,
-    T: int,
-    policy: str,
-    bucket: float,
-) -> Plan:
+def gpt2_plan(S: Setup, grid: ProcessGrid, rank: int) -> Plan:
     """One rank's iteration: the pipeline schedule (whole-stage forwards and backwards),
     the gradient sync (buckets overlapping the last micro-batch's backward), the tied
     embedding's allreduce between the first and last stage (Megatron's embedding group,
     before ZeRO-1's reduce-scatter: its shards split wte), AdamW."""
+    cfg, split, B, T, pp, dp = S.cfg, S.split, S.B, S.T, S.pp, S.dp
     c = grid.coords(rank)
-    s, pp, dp = c["pp"], len(split), grid.degree("dp")
+    s = c["pp"]
     first, last = s == 0, s == pp - 1
     pp_ranks = grid.group("pp", rank)
     g = {"pp": pp_ranks, "dp": grid.group("dp", rank)}
     fwd = stage_flops(cfg, split[s], last, B, T)
-    actions = SCHEDULES[schedule](pp, m, s)
-    act = B * T * cfg.n_embd
+    actions = SCHEDULES[S.schedule](pp, S.m, s)
     ops = pipeline_ops(
         actions,
         s,
         pp_ranks,
         1,
-        act,
+        S.act,
         flops=lambda kind, chunk: fwd if kind == "forward" else 2 * fwd,
     )
-    sync = gpt2_sync(cfg, split[s], first, last, dp, policy, bucket)
+    sync = gpt2_sync(cfg, split[s], first, last, dp, S.sync, S.bucket)
     if sync.overlaps:
         last_mb = [a.mb for a in actions if a.kind == "B"][-1]
         ops = gpt2_ops(ops, sync, last_mb, cfg, split[s], first, last, B, T)

@@ -130,8 +130,12 @@ class Setup:
     # Data-parallel gradient sync, a core/grads.py policy: buckets (overlapping the last
     # backward), fused, per-tensor, zero1, or per-layer (gpt2's C++ parity schedule).
     sync: str = "buckets"
-    zero: int = 0  # ZeRO stage (gpt2's --zero 1)
     bucket_mb: float | None = None  # the bucket size as given in MiB (None: not given)
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage: 1 with the zero1 sync (gpt2's --zero 1), else 0."""
+        return 1 if self.sync == "zero1" else 0
 
     @property
     def N(self) -> int:
