@@ -40,8 +40,7 @@ from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.transformer import describe, options
 from proxies.transformer.data import batch
 from proxies.transformer.layout import Layout
-from proxies.transformer.plan import gpt3_plans
-from proxies.transformer.plan import reductions as _reductions  # the runtime's bucket ranges
+from proxies.transformer.plan import gpt3_plans, reductions
 from proxies.transformer.setup import (
     DEFAULT_MODEL,
     PRESETS,
@@ -389,7 +388,7 @@ class GPT3Runtime:
         self.model = self.pool = None
         self.layout = Layout(S, stage)
         self.ranges = {}
-        for k, (_, units, _) in enumerate(_reductions(S, self.layout)):
+        for k, (_, units, _) in enumerate(reductions(S, self.layout)):
             lo_d, hi_d = min(u.dense[0] for u in units), max(u.dense[1] for u in units)
             lo_e, hi_e = min(u.expert[0] for u in units), max(u.expert[1] for u in units)
             self.ranges[("dpgrad", k)] = (lo_d, hi_d)
