@@ -210,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
 # the setup, validated
 
 
-def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
+def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """Check the options against each other and the world size; UsageError names the rule."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cfg = PRESETS[args.model]
@@ -320,7 +320,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid, dict]:
         grid = ProcessGrid.create(order, **degrees)
     except ValueError as e:
         raise err(str(e)) from None
-    return S, grid, {"schedule": schedule}
+    return S, grid
 
 
 # ----------------------------------------------------------------------------------------
@@ -457,7 +457,7 @@ class GPT3Runtime:
 
 
 def make_job(args, world: int) -> runner.Job:
-    S, grid, _ = resolve(args, world)
+    S, grid = resolve(args, world)
     schedule = S.schedule
     source = options.token_source(args, S.cfg.vocab_size, S.T)
     plan = gpt3_plans(S, grid, schedule)
