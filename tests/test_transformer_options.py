@@ -158,3 +158,20 @@ def test_megatron_names_in_help():
         text = module.parser().format_help()
         for name in names + ["--micro-batch-size", "--seq-length"]:
             assert name in text, name
+
+
+# -- --micro-batches: one option on both front ends (gpt2 also keeps its positional) --------
+
+
+def test_gpt2_micro_batches_option_is_the_positional():
+    by_option, cfg_option = plans(gpt2, ["8", "4", "--micro-batches", "3"], 8)
+    by_positional, cfg_positional = plans(gpt2, ["8", "4", "3"], 8)
+    assert cfg_option["micro_batches"] == cfg_positional["micro_batches"] == 3
+    assert by_option == by_positional
+    same, _ = plans(gpt2, ["8", "4", "3", "--micro-batches", "3"], 8)
+    assert same == by_positional
+
+
+def test_gpt2_micro_batches_option_and_positional_differ():
+    with pytest.raises(UsageError, match="--micro-batches 3 and MICROBATCHES = 2 differ"):
+        plans(gpt2, ["8", "4", "2", "--micro-batches", "3"], 8)

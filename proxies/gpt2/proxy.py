@@ -51,13 +51,8 @@ def parser() -> argparse.ArgumentParser:
         "Arguments as the C++ proxy: LAYERS STAGES [MICROBATCHES].",
     )
     options.add_shape(p, "pipeline stages (default 1); data-parallel degree = world size / STAGES")
-    p.add_argument(
-        "micro_batches",
-        type=cli.positive_int,
-        nargs="?",
-        default=options.Default(8),
-        metavar="MICROBATCHES",
-        help="micro-batches per iteration per replica (default 8, as the C++ proxy)",
+    options.add_micro_batches(
+        p, "micro-batches per iteration per replica (default 8, as the C++ proxy)", positional=8
     )
     p.add_argument(
         "--model",
@@ -70,10 +65,10 @@ def parser() -> argparse.ArgumentParser:
     )
     options.add_seq_len(p, f"tokens per sample (default 64; 632 for {cpp.PRESET})")
     options.add_micro_batch(p, "samples per micro-batch (default 1)")
-    p.add_argument(
-        "--schedule",
-        choices=("1f1b", "gpipe", "cpp"),
-        help="1f1b (default), gpipe (all forwards, then all backwards), or cpp: the C++ "
+    options.add_schedule(
+        p,
+        ("1f1b", "gpipe", "cpp"),
+        "1f1b (default), gpipe (all forwards, then all backwards), or cpp: the C++ "
         "proxy's iteration message for message (all forward messages, all backward "
         "messages, one blocking allreduce per layer, no tied-embedding allreduce; "
         f"communication only; the default of --model {cpp.PRESET})",
@@ -92,11 +87,9 @@ def parser() -> argparse.ArgumentParser:
         "last micro-batch's backward has finished its layers, overlapping the rest of that "
         "backward (PyTorch DDP), and completed after the pipeline (not with --zero 1)",
     )
-    p.add_argument(
-        "--bucket-mb",
-        type=options.BUCKET_MB,
-        metavar="MB",
-        help=f"with --grad-sync buckets (an error without it): close a bucket once it holds "
+    options.add_bucket_mb(
+        p,
+        f"with --grad-sync buckets (an error without it): close a bucket once it holds "
         f"MB MiB of float32 gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP); "
         "buckets are runs of whole backward pieces (LM head, layers, embeddings) in backward "
         "order; 0: one bucket per piece",
@@ -236,6 +229,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """The options checked against each other and the world size, as one frozen Setup (tp =
     v = 1, no sequence parallelism or MoE); UsageError names the rule."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
+    options.micro_batches(args)  # --micro-batches
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     options.megatron_batch(args, world, args.stages, "MICROBATCHES")
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]

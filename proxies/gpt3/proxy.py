@@ -78,11 +78,8 @@ def parser() -> argparse.ArgumentParser:
         help="tensor-parallel degree",
     )
     options.add_micro_batch(p, "samples per micro-batch", default=1)
-    p.add_argument(
-        "--micro-batches",
-        type=cli.positive_int,
-        metavar="M",
-        help="micro-batches per iteration per replica (default 2 x STAGES, as the C++ proxy)",
+    options.add_micro_batches(
+        p, "micro-batches per iteration per replica (default 2 x STAGES, as the C++ proxy)"
     )
     options.add_seq_len(p, "tokens per sample (default: the preset's context, 2048)")
     p.add_argument(
@@ -92,12 +89,12 @@ def parser() -> argparse.ArgumentParser:
         "forward, 4 and 2 backward (qkv's and fc's inputs gathered again); pipeline "
         "messages shrink by tp; with MoE, Megatron's token dispatch (A2A ep, AG/RS tp)",
     )
-    p.add_argument(
-        "--schedule",
-        choices=sorted(SCHEDULES),
-        default="1f1b",
-        help="gpipe: all forwards then all backwards (the C++ proxy's order); interleaved: "
+    options.add_schedule(
+        p,
+        tuple(sorted(SCHEDULES)),
+        "gpipe: all forwards then all backwards (the C++ proxy's order); interleaved: "
         "1F1B with --virtual-stages model chunks per rank",
+        default="1f1b",
     )
     p.add_argument(
         "--virtual-stages",
@@ -150,11 +147,9 @@ def parser() -> argparse.ArgumentParser:
         "spread over EP ranks and their gradients allreduced over DP / EP",
     )
     g = p.add_argument_group("gradients and layout")
-    g.add_argument(
-        "--bucket-mb",
-        type=options.BUCKET_MB,
-        metavar="MB",
-        help="data-parallel gradient bucket size in MiB of float32 gradients (as gpt2's); "
+    options.add_bucket_mb(
+        g,
+        "data-parallel gradient bucket size in MiB of float32 gradients (as gpt2's); "
         "buckets are whole layers, allreduced as soon as the last micro-batch's backward "
         "finishes them (default 0: one bucket per layer)",
     )

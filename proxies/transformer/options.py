@@ -56,6 +56,54 @@ def add_micro_batch(p: argparse.ArgumentParser, help: str, default: int | None =
     )
 
 
+def add_micro_batches(p: argparse.ArgumentParser, help: str, positional: int | None = None) -> None:
+    """--micro-batches M: micro-batches per iteration per replica. `positional`: the front
+    end also takes them as its third positional (gpt2, as the C++ proxy), defaulting to
+    this; `micro_batches` resolves the two."""
+    if positional is not None:
+        p.add_argument(
+            "micro_batches",
+            type=cli.positive_int,
+            nargs="?",
+            default=Default(positional),
+            metavar="MICROBATCHES",
+            help=help,
+        )
+    p.add_argument(
+        "--micro-batches",
+        dest="micro_batches_option" if positional is not None else "micro_batches",
+        type=cli.positive_int,
+        metavar="M",
+        help="the same as MICROBATCHES (give one, or equal)" if positional is not None else help,
+    )
+
+
+def micro_batches(args: argparse.Namespace) -> None:
+    """MICROBATCHES from --micro-batches where the front end has both: only where the
+    positional is not given, or gives the same number."""
+    option = getattr(args, "micro_batches_option", None)
+    if option is None:
+        return
+    if given(args.micro_batches) and args.micro_batches != option:
+        raise cli.UsageError(
+            f"--micro-batches {option} and MICROBATCHES = {args.micro_batches} differ: give one"
+        )
+    args.micro_batches = option
+
+
+def add_schedule(
+    p: argparse.ArgumentParser, choices: tuple[str, ...], help: str, default: str | None = None
+) -> None:
+    """--schedule: the pipeline schedule (core/schedules.py)."""
+    p.add_argument("--schedule", choices=choices, default=default, help=help)
+
+
+def add_bucket_mb(p: argparse.ArgumentParser, help: str) -> None:
+    """--bucket-mb: a data-parallel gradient bucket's size in MiB of float32 gradients
+    (bucket_elements converts it; core/grads.py closes buckets at it)."""
+    p.add_argument("--bucket-mb", type=BUCKET_MB, metavar="MB", help=help)
+
+
 def add_order(p: argparse.ArgumentParser, help: str) -> None:
     """--order: the rank order, fastest dimension first (core/grid.py reads it)."""
     p.add_argument("--order", default="cpp", metavar="ORDER", help=help)
