@@ -327,6 +327,7 @@ def test_computed_pairs():
     assert cp.computed_pairs(pos, 3) == 3 * 7 + 1 * 8  # a ragged last block
     p = cp.positions("interleaved", 4, 64)[2]
     assert K.att_size(p, 2, 3, 5) == 2 * 3 * cp.computed_pairs(p, 5)
+    assert K.att_size(p, 2, 3) == 2 * 3 * cp.computed_pairs(p, K.BLOCK_Q)
 
 
 @pytest.mark.parametrize(
@@ -378,7 +379,7 @@ def test_benchmark_runs(bench, capsys):
     "argv,words",
     [
         (["--seq-len", "100"], "not a multiple of 8"),
-        (["--cp", "3", "--seq-len", "64"], "not a multiple of 6"),
+        (["--cp", "3", "--seq-len", "63"], "not a multiple of 6"),
         (["--model", "gpt9"], "unknown model"),
     ],
 )

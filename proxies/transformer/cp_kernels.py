@@ -31,8 +31,11 @@ from collections.abc import Iterator
 import numpy as np
 
 # Queries per block of the all-gather kernels: a block multiplies the keys up to its last
-# query's position, so a smaller block wastes fewer masked pairs (cp.computed_pairs) but
-# makes smaller, slower matmuls. 64 rows of hs = 64 keep the GEMMs efficient.
+# query's position, its queries' keys past their own positions masked (cp.computed_pairs).
+# 64 rows keep the GEMMs efficient; the waste is at most 64/Tl of a contiguous or zigzag
+# rank's pairs, about N x 64/T of an interleaved one's (queries N positions apart). Blocks
+# of 64/N interleaved queries waste no more but ran 1.5x slower at T = 4096 (k and v read
+# N times as often, smaller GEMMs): README, "Context parallelism".
 BLOCK_Q = 64
 
 
@@ -106,7 +109,9 @@ def take(send: np.ndarray, xg: np.ndarray, positions: list[np.ndarray]) -> int:
 # all-gather family
 
 
-def _blocks(pos: np.ndarray, B: int, NH: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+def _blocks(
+    pos: np.ndarray, B: int, NH: int, block: int | None
+) -> Iterator[tuple[int, int, int, int]]:
     """(a, b, n, offset): query rows [a, b), keys [0, n) up to row b-1's position, and
     where the block's (B,NH,b-a,n) softmax starts in the saved att buffer."""
     off = 0
