@@ -30,6 +30,7 @@ APPS: dict[str, Command] = {
         Command("report", "tables and plots of a sweep's results"),
         Command("compare", "is B faster than A: two results or sweeps, per category, noise stated"),
         Command("calibrate", "measure this allocation and write a machine file (--machine)"),
+        Command("timeline", "a --trace file as a picture: a few ranks over one iteration"),
     )
 }
 

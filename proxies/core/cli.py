@@ -433,6 +433,9 @@ def add_common(
         "without asynchronous progress moves nothing during compute)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the summary line")
+    from proxies.core import trace  # --trace, --trace-iters, --trace-ranks
+
+    trace.add_options(g)
     from proxies.core import memory  # imports cli: here, not at the top
     from proxies.core.faults import add_faults  # (faults.py imports this module)
 

@@ -166,6 +166,9 @@ class Engine:
         self.progress: Progress | None = None
         self.staging = wire.Staging()
         self.faults = faults  # faults.RankFaults of this rank: --slow-rank, --jitter ...
+        # --trace: a trace.Recorder while an iteration is traced, else None. Every hook is
+        # behind one `is not None` check: nothing else is added to an untraced op.
+        self.trace = None
 
     def close(self) -> None:
         """Stop the progress thread (before MPI_Finalize)."""
@@ -205,6 +208,7 @@ class Engine:
                     # After the checksum, one bit of the first element: the receiver must notice.
                     out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
             reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in _pieces(out)]
+        sent = MPI.Wtime() if self.trace is not None and op.sends else t0
         idle = held = 0.0
         for m in op.recvs:
             buf = self._buffer(m)
@@ -221,6 +225,8 @@ class Engine:
                 w1 = MPI.Wtime()
                 idle += w1 - w0
                 t.waited[m.peer] += w1 - w0  # waiting for the sender
+                if self.trace is not None:
+                    self.trace.idle(w0, w1, m.peer)
                 n = status.Get_count(mpi_type)
                 if n != piece.size:
                     raise CheckError(
@@ -230,6 +236,8 @@ class Engine:
                 msg.Recv(wire.transport(piece))
                 if self.faults is not None and self.faults.links:
                     held += self.faults.hold_message(m.peer, MPI.Wtime() - w1)
+            if self.trace is not None:
+                self.trace.arrived(m, MPI.Wtime())
             if self.check:
                 self._verify_p2p(into, m)
             self._widen(into, buf, t)
@@ -245,9 +253,10 @@ class Engine:
         t.seconds["idle"] += idle
         if held:
             t.seconds[DELAY] += held
-        t.seconds[op.category] += (
-            MPI.Wtime() - t0 - idle - held - (t.seconds.get(CAST, 0.0) - cast0)
-        )
+        t1 = MPI.Wtime()
+        t.seconds[op.category] += t1 - t0 - idle - held - (t.seconds.get(CAST, 0.0) - cast0)
+        if self.trace is not None:
+            self.trace.p2p(op, t0, t1, sent)
 
     def _beat(self, what: str, peers=None) -> None:
         if self.watchdog is not None:
@@ -420,9 +429,10 @@ class Engine:
         cast0 = t.seconds.get(CAST, 0.0)
         buf, out, reqs, state = self._start(op, blocking=True, t=t)
         self.waiter.waitall(reqs)
-        t.collectives.append(
-            (op.group, op.category, MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0))
-        )
+        t1 = MPI.Wtime()
+        t.collectives.append((op.group, op.category, t1 - t0 - (t.seconds.get(CAST, 0.0) - cast0)))
+        if self.trace is not None:
+            self.trace.collective(op, t0, t1)
         self._finish(op, buf, out, state, t)
 
     def _post(self, op: Collective, t: IterationTimes) -> None:
@@ -436,8 +446,11 @@ class Engine:
             cast0 = t.seconds.get(CAST, 0.0)
             buf, out, reqs, state = self._start(op, blocking=False, t=t)
             # Issuing it is exposed time.
-            t.seconds[op.category] += self.MPI.Wtime() - t0 - (t.seconds.get(CAST, 0.0) - cast0)
+            t1 = self.MPI.Wtime()
+            t.seconds[op.category] += t1 - t0 - (t.seconds.get(CAST, 0.0) - cast0)
             self.pending[op.req] = [op, buf, reqs, state, t0, None, out]
+        if self.trace is not None:
+            self.trace.post(op, t0, t1)
         if self.progress is not None:
             self.progress.resume()
 
@@ -460,6 +473,8 @@ class Engine:
                 done = self.MPI.Request.Testall(entry[2])
                 t1 = Wtime()
                 t.seconds[entry[0].category] += t1 - t0
+                if self.trace is not None:
+                    self.trace.test(entry[0], t0, t1)
                 if done:
                     entry[5] = t1
 
@@ -476,6 +491,8 @@ class Engine:
         # (or until this wait began), while this rank did other work.
         t.seconds[coll.category] += t1 - t0
         t.inflight[coll.category].append((started, done if done is not None else t0))
+        if self.trace is not None:
+            self.trace.wait(coll, started, done if done is not None else t0, t0, t1)
         self._finish(coll, buf, out, state, t)
 
     # -- --check ---------------------------------------------------------------------------
@@ -502,6 +519,8 @@ class Engine:
         if self.faults is not None:
             self.faults.start_iteration(iteration)  # --kill-rank ends this process here
         start = MPI.Wtime()
+        if self.trace is not None:
+            self.trace.begin(iteration, start)
         for i, op in enumerate(self.plan.ops):
             if self.watchdog is not None:
                 self._announce(iteration, i, n, op)
@@ -514,7 +533,10 @@ class Engine:
             t0 = MPI.Wtime()
             if isinstance(op, Compute):
                 self._compute(op)
-                t.seconds[op.category] += MPI.Wtime() - t0
+                t1 = MPI.Wtime()
+                t.seconds[op.category] += t1 - t0
+                if self.trace is not None:
+                    self.trace.compute(op, t0, t1)
             elif isinstance(op, P2P):
                 self._p2p(op, t)
             elif isinstance(op, Collective):
@@ -530,6 +552,8 @@ class Engine:
         for category, spans in t.inflight.items():
             t.seconds[category + HIDDEN] = union_seconds(spans)
         t.total = MPI.Wtime() - start
+        if self.trace is not None:
+            self.trace.end(t.total)
         return t
 
 

@@ -95,7 +95,10 @@ class Prediction:
     rep_of: np.ndarray | None  # world rank -> simulated rank it is an image of (folded)
     detail: str  # "steps" or "coarse" (how collectives ran)
     flows: int  # flows simulated
-    spans: dict[int, list[tuple[float, float, Op]]] = field(default_factory=dict)
+    # With keep_spans, per simulated rank: (start, end, op, idle) of each op, idle the
+    # seconds at its start spent waiting for peers (None: a non-blocking collective's time
+    # in flight; its Wait is the same collective with its exposed span). For --trace.
+    spans: dict[int, list[tuple[float, float, Op, float | None]]] = field(default_factory=dict)
 
     def of(self, rank: int) -> dict[str, float]:
         """Breakdown of any world rank (its representative's when folded)."""
@@ -222,6 +225,9 @@ class _Predictor:
             core = inst.core
             self.book[r][inst.op.category] += core
             self.book[r]["idle"] += inst.ends[r] - inst.posts[r] - core
+            if self.keep_spans:
+                span = inst.ends[r] - inst.posts[r]
+                self.spans[r].append((inst.posts[r], inst.ends[r], inst.op, span - core))
 
     def _detail(self, detail: str) -> str:
         if detail != "auto":
@@ -247,7 +253,7 @@ class _Predictor:
                 d = self.compute(r, op)
                 book[op.category] += d
                 if self.keep_spans:
-                    spans.append((t, t + d, op))
+                    spans.append((t, t + d, op, 0.0))
                 t += d
                 pc += 1
                 continue
@@ -300,7 +306,8 @@ class _Predictor:
         book[op.category] += now - began  # exposed: blocked in the wait
         book[op.category + HIDDEN] += max(0.0, min(end, began) - posted)
         if self.keep_spans:
-            self.spans[r].append((posted, end, op))
+            self.spans[r].append((posted, end, op, None))
+            self.spans[r].append((began, now, op, 0.0))
 
     # --- point-to-point -----------------------------------------------------------------
 
@@ -327,7 +334,7 @@ class _Predictor:
                 if state[3] > state[2]:
                     book[DELAY] += state[3] - state[2]
                 if self.keep_spans:
-                    self.spans[r].append((t, state[3], op))
+                    self.spans[r].append((t, state[3], op, state[1] - t))
                 self._resume(r, state[3])
 
         for m in op.sends:

@@ -159,14 +159,19 @@ def dry_run_report(job, args, machine, console, plans: dict[int, Plan] | None = 
     already built (rank -> plan)."""
     from rich.markup import escape
 
+    tracing = getattr(args, "trace", None) is not None  # --trace: the predicted timeline
     try:
-        pred, note = run_prediction(job, args, machine, plans=plans)
+        pred, note = run_prediction(job, args, machine, plans=plans, keep_spans=tracing)
     except PlanError as e:
         console.print(f"[bold red]cannot predict[/]: {escape(str(e))}")
         return None
     result = as_result(pred, job, job.grid.size, plans)
     console.print(note)
     report.print_report(result, [], predicted=True, table=job.report_categories())
+    if tracing:
+        from proxies.core import trace_predicted
+
+        trace_predicted.write(job, args, pred, note)  # a failed write says where it went
     return json_fields(pred, result, note)
 
 

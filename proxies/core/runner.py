@@ -25,6 +25,7 @@ from proxies.core import (
     provenance,
     report,
     threads,
+    trace,
     traffic,
     waits,
 )
@@ -432,10 +433,12 @@ def run(job: Job, args, MPI, machine=None) -> int:
         faults=faults.for_engine(args, rank),
     )
 
+    tracer = trace.start(MPI, world, plan, job, args)  # --trace: clocks aligned to rank 0
     timed, losses = [], np.zeros((args.warmup + args.iters, 2))
     for it in range(args.warmup + args.iters):
         watchdog.beat(f"barrier before iteration {it}")
         engine.waiter.barrier(world)
+        engine.trace = tracer and tracer.recorder(it)
         try:
             t = engine.run_iteration(it)
         except CheckError as e:
@@ -451,6 +454,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
     waits.attribute_tail(MPI, world, timed)
     waits.split_collective_waits(MPI, comms, timed)
     book_overhead_and_tail(MPI, world, timed)
+    traced = trace.gather(tracer, MPI, comms, timed)  # the --trace document on rank 0
     cats = sorted({c for t in timed for c in t.seconds})
     row = {
         "rank": rank,
@@ -512,6 +516,8 @@ def run(job: Job, args, MPI, machine=None) -> int:
         if written is None:
             return exits.FAILED
         args.json = written  # compare() rewrites the same file
+    if not trace.write(args.trace, traced, job.prog):
+        return exits.FAILED
     if machine is not None:
         compare(job, args, machine, result, replays)
     return code
@@ -555,8 +561,10 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
     machine = cli.use_machine(args)
+    trace.check_args(args)
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
+        cli.check_output(args.trace, "--trace")
         world = args.world_size or cli.env_world_size() or 1
         job = job_from_args(args, world)
         if cli.env_rank() != 0:  # under a launcher: rank 0 plans and prints, the rest exit
@@ -582,6 +590,6 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     except cli.UsageError as e:
         job, error = None, str(e)
     if error is None and MPI.COMM_WORLD.rank == 0:  # rank 0 writes the results
-        error = cli.output_problem(args.json)
+        error = cli.output_problem(args.json) or cli.output_problem(args.trace, "--trace")
     mpi.agree(MPI.COMM_WORLD, error, parser.prog.removeprefix("python -m "))
     return run(job, args, MPI, machine)
