@@ -248,12 +248,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         micro_batches=m,
     )
     cp = args.cp
-    if cp > 1 and world % (pp * cp):
-        raise cli.UsageError(
-            f"world size {world} is not cp * dp * pp: not a multiple of --cp {cp} x "
-            f"STAGES {pp} = {cp * pp}"
-        )
-    cp_fields = options.cp_rules(args, T=T, heads=cfg.n_head, tp=1, sp=False)
+    cp_fields = options.cp_rules(args, world, T=T, heads=cfg.n_head, tp=1, pp=pp, sp=False)
     cfg = cfg.with_layers(L)
     buckets = args.grad_sync == "buckets"
     if args.bucket_mb is not None and not buckets:
@@ -268,7 +263,9 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     bucket_mb = DEFAULT_BUCKET_MB if buckets and args.bucket_mb is None else args.bucket_mb
     dp = world // (pp * cp)
     try:
-        grid = ProcessGrid.create(args.order, pp=pp, dp=dp, **({"cp": cp, "tp": 1} if cp > 1 else {}))
+        grid = ProcessGrid.create(
+            args.order, pp=pp, dp=dp, **({"cp": cp, "tp": 1} if cp > 1 else {})
+        )
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     S = Setup(

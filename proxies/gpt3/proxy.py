@@ -223,11 +223,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         args.compute = "real" if args.model == "gpt3-tiny" and args.cp == 1 else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
-    if cp > 1 and world % (tp * pp * cp):
-        raise err(
-            f"world size {world} is not cp * dp * tp * pp: not a multiple of --cp {cp} x "
-            f"--tp {tp} x STAGES {pp} = {cp * tp * pp}"
-        )
     options.check_shape(
         model=args.model,
         layers=L,
@@ -260,7 +255,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     sp = args.sequence_parallel and tp > 1
     if sp and T % tp:
         raise err(f"--sequence-parallel: --seq-len {T} is not a multiple of --tp {tp}")
-    cp_fields = options.cp_rules(args, T=T, heads=cfg.n_head, tp=tp, sp=sp)
+    cp_fields = options.cp_rules(args, world, T=T, heads=cfg.n_head, tp=tp, pp=pp, sp=sp)
     dp = world // (tp * pp * cp)
     moe = None
     E = args.moe_experts

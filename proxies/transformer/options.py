@@ -353,11 +353,20 @@ def add_cp(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cp_rules(args: argparse.Namespace, *, T: int, heads: int, tp: int, sp: bool) -> dict:
-    """The --cp options checked (UsageError names the rule broken): Setup's cp fields."""
+def cp_rules(
+    args: argparse.Namespace, world: int, *, T: int, heads: int, tp: int, pp: int, sp: bool
+) -> dict:
+    """The --cp options checked against each other and the world size (UsageError names
+    the rule broken): Setup's cp fields."""
     n, err = args.cp, cli.UsageError
     if n == 1:
         return {}
+    if world % (n * tp * pp):
+        tp_text = f"--tp {tp} x " if tp > 1 else ""
+        raise err(
+            f"world size {world} is not cp * dp * tp * pp: not a multiple of --cp {n} x "
+            f"{tp_text}STAGES {pp} = {n * tp * pp}"
+        )
     if args.compute in ("real", "replay"):
         raise err(f"--cp > 1 runs with --compute model or none for now (not {args.compute})")
     if args.cp_grad_reduce is not None and args.cp_comm != "allgather":
