@@ -23,8 +23,12 @@ from functools import cached_property
 
 import numpy as np
 
-DIMS = ("tp", "sp", "ep", "pp", "dp")
-ORDER_ALIASES = {"cpp": "tp-pp-dp", "megatron": "tp-dp-pp"}
+DIMS = ("tp", "sp", "cp", "ep", "pp", "dp")
+# cp (context parallelism) sits next to the dimensions the C++ proxies order, before dp: its
+# per-layer collectives are the heaviest traffic after tp's, so its ranks should be the next
+# closest (Megatron-LM's default order is tp-cp-ep-dp-pp). A dimension of degree 1 is not
+# in the grid, so neither alias changes a grid without cp.
+ORDER_ALIASES = {"cpp": "tp-pp-cp-dp", "megatron": "tp-cp-dp-pp"}
 
 
 def parse_order(order: str, dims: tuple[str, ...]) -> tuple[str, ...]:

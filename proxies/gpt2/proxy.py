@@ -36,7 +36,7 @@ from proxies.transformer.config import (
 from proxies.transformer.data import batch
 from proxies.transformer.fast import adamw_update
 from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
-from proxies.transformer.plan import gpt2_plan
+from proxies.transformer.plan import gpt2_plan, gpt3_plans
 from proxies.transformer.setup import Setup
 
 PROG = "proxies.gpt2"
@@ -102,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
         help="1: ZeRO stage 1 (as llm.c): reduce-scatter gradients over data-parallel ranks, "
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
+    options.add_cp(p)
     options.add_training(p, lr=1e-3, defaults_in_help=True)
     options.add_megatron(p)
     cli.add_common(
@@ -230,8 +231,10 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     v = 1, no sequence parallelism or MoE); UsageError names the rule."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     options.micro_batches(args)  # --micro-batches
+    if args.cp > 1:
+        cp_defaults(args)
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
-    options.megatron_batch(args, world, args.stages, "MICROBATCHES")
+    options.megatron_batch(args, world, args.stages * args.cp, "MICROBATCHES")
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
     L = args.layers or cfg.n_layer
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
@@ -244,6 +247,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         context=cfg.max_seq_len,
         micro_batches=m,
     )
+    cp = args.cp
+    cp_fields = options.cp_rules(args, world, T=T, heads=cfg.n_head, tp=1, pp=pp, sp=False)
     cfg = cfg.with_layers(L)
     buckets = args.grad_sync == "buckets"
     if args.bucket_mb is not None and not buckets:
@@ -256,9 +261,11 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
             "with --grad-sync buckets"
         )
     bucket_mb = DEFAULT_BUCKET_MB if buckets and args.bucket_mb is None else args.bucket_mb
-    dp = world // pp
+    dp = world // (pp * cp)
     try:
-        grid = ProcessGrid.create(args.order, pp=pp, dp=dp)
+        grid = ProcessGrid.create(
+            args.order, pp=pp, dp=dp, **({"cp": cp, "tp": 1} if cp > 1 else {})
+        )
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     S = Setup(
@@ -278,8 +285,27 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         schedule=args.schedule,
         sync="zero1" if args.zero else args.grad_sync,
         bucket_mb=bucket_mb,
+        **cp_fields,
     )
     return S, grid
+
+
+def cp_defaults(args) -> None:
+    """--cp > 1: GPT-2 plans as GPT-3 does at tp 1 (per-layer pieces, so the cp exchanges
+    sit inside each layer; GPT-3's gradient buckets of whole layers), without compute for
+    now. Refuses what that cannot do; compute defaults to model."""
+    err = cli.UsageError
+    if args.schedule == "cpp" or (args.schedule is None and args.model == cpp.PRESET):
+        raise err("--schedule cpp is the C++ proxy's iteration, which has no context parallelism")
+    if args.zero or args.grad_sync not in (None, "buckets"):
+        what = "--zero 1" if args.zero else f"--grad-sync {args.grad_sync}"
+        raise err(
+            f"--cp > 1 syncs gradients in buckets of whole layers, as gpt3 (--bucket-mb): "
+            f"not {what}"
+        )
+    args.grad_sync = "buckets"
+    if args.compute is None:
+        args.compute = "model"
 
 
 def sync_text(S: Setup) -> str:
@@ -301,8 +327,11 @@ def make_job(args, world: int) -> runner.Job:
     # The C++ schedule trains nothing: no data.
     source = options.token_source(args, cfg.vocab_size, T, needed=not parity)
     act = S.act
+    cp_plan = gpt3_plans(S, grid, S.schedule) if S.cp > 1 else None
 
     def plan(rank: int) -> Plan:
+        if S.cp > 1:
+            return cp_plan(rank)
         if parity:
             c = grid.coords(rank)
             s = c["pp"]
@@ -320,6 +349,10 @@ def make_job(args, world: int) -> runner.Job:
     def runtime(rank, MPI, comms, mode):
         c = grid.coords(rank)
         s = c["pp"]
+        if S.cp > 1:  # compute model/none: the BufferPool of GPT-3's runtime
+            from proxies.gpt3.proxy import GPT3Runtime
+
+            return GPT3Runtime(S, plan(rank), s, 0, 0, c["dp"], args, source, mode)
         return GPT2Runtime(cfg, split[s], s == 0, s == pp - 1, args, dp, c["dp"], source, mode)
 
     own = {"grad_sync": args.grad_sync, "bucket_mb": S.bucket_mb, "zero": S.zero}
@@ -331,16 +364,27 @@ def make_job(args, world: int) -> runner.Job:
         config=config,
         grid=grid,
         plan=plan,
-        group_names=("pp", "dp", "embed"),
+        group_names=("pp", "dp", "embed", *describe.cp_groups(S)),
         label=label,
         header=describe.header(PROG, S, grid, args, source, messages=messages),
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
-        memory=lambda rank, plan: estimate_memory(cfg, split, grid, args, plan, rank),
+        memory=lambda rank, plan: (
+            cp_memory(S, grid, args, plan, rank)
+            if S.cp > 1
+            else estimate_memory(cfg, split, grid, args, plan, rank)
+        ),
         categories=SPEC.categories,
         short=SPEC.short,
     )
+
+
+def cp_memory(S: Setup, grid, args, plan: Plan, rank: int) -> dict[str, int]:
+    """--cp > 1 (compute model/none): GPT-3's estimate, the BufferPool of the plan."""
+    from proxies.gpt3.memory import estimate
+
+    return estimate(S, grid.coords(rank)["pp"], S.schedule, args.compute, plan)
 
 
 def estimate_memory(cfg, split, grid, args, plan: Plan, rank: int) -> dict[str, int]:

@@ -51,7 +51,8 @@ from proxies.transformer.setup import (
 )
 
 PROG = "proxies.gpt3"
-ORDERS = {"cpp": "pp-tp-ep-dp", "megatron": "tp-ep-dp-pp"}
+# cp next to tp (Megatron-LM's tp-cp-ep-dp-pp); absent from a grid without cp
+ORDERS = {"cpp": "pp-tp-cp-ep-dp", "megatron": "tp-cp-ep-dp-pp"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -181,6 +182,7 @@ def parser() -> argparse.ArgumentParser:
         help="only the transformer layers, no embedding, LM head or loss: the C++ proxy's "
         "pattern (compute model/none only)",
     )
+    options.add_cp(p)
     options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
     options.add_megatron(p, virtual=True)
     tflops = cpp_device_tflops()
@@ -210,14 +212,15 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cfg = PRESETS[args.model]
     L = args.layers or cfg.n_layer
-    pp, tp, B = args.stages, args.tp, args.micro_batch
-    options.megatron_batch(args, world, tp * pp, "--micro-batches")
+    pp, tp, B, cp = args.stages, args.tp, args.micro_batch, args.cp
+    options.megatron_batch(args, world, tp * pp * cp, "--micro-batches")
     v = options.megatron_virtual(args, L, pp)
     T = args.seq_len or cfg.max_seq_len
     m = args.micro_batches or 2 * pp
     err = cli.UsageError
     if args.compute is None:
-        args.compute = "real" if args.model == "gpt3-tiny" else "model"
+        # real for the tiny preset, until context parallelism has real compute
+        args.compute = "real" if args.model == "gpt3-tiny" and args.cp == 1 else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
     options.check_shape(
@@ -252,7 +255,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     sp = args.sequence_parallel and tp > 1
     if sp and T % tp:
         raise err(f"--sequence-parallel: --seq-len {T} is not a multiple of --tp {tp}")
-    dp = world // (tp * pp)
+    cp_fields = options.cp_rules(args, world, T=T, heads=cfg.n_head, tp=tp, pp=pp, sp=sp)
+    dp = world // (tp * pp * cp)
     moe = None
     E = args.moe_experts
     if E:
@@ -269,6 +273,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         if F % tp:
             raise err(f"--moe-ffn-hidden {F} is not a multiple of --tp {tp}")
         moe = MoESpec(E, args.moe_top_k, args.capacity_factor, F, ep)
+        if cp > 1:
+            raise err("--cp with --moe-experts is not supported yet")
     elif args.ep:
         raise err("--ep needs --moe-experts")
     if args.layers_only and args.compute in ("real", "replay"):
@@ -305,12 +311,15 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         args.layers_only,
         model=args.model,
         schedule=schedule,
+        **cp_fields,
     )
     try:
         SCHEDULES[schedule](pp, m, 0, v)
         degrees = {"tp": tp, "pp": pp, "dp": dp // (moe.ep if moe else 1)}
         if moe:
             degrees["ep"] = moe.ep
+        if cp > 1:
+            degrees["cp"] = cp
         order = ORDERS.get(args.order, args.order)
         grid = ProcessGrid.create(order, **degrees)
     except ValueError as e:
@@ -333,11 +342,13 @@ class BufferPool:
     def __init__(self, plan: Plan, inflight: int):
         self.slot_of: dict[tuple[str, int], str] = {}
         size: dict[str, int] = defaultdict(int)
+        self.p2p = set(self.P2P_SLOTS)  # and the context-parallel ring's (cp_kv_in ...)
         posted = 0
         for op in plan.ops:
             if isinstance(op, P2P):
                 for msg in op.sends + op.recvs:
                     size[msg.buf] = max(size[msg.buf], msg.count)
+                    self.p2p.add(msg.buf)
             elif isinstance(op, Collective):
                 if op.req:
                     slot = f"grad{posted % inflight if inflight else posted}"
@@ -354,7 +365,7 @@ class BufferPool:
         return 4 * sum(self.size.values())
 
     def get(self, name: str, mb: int, count: int | None = None) -> np.ndarray:
-        slot = name if name in self.P2P_SLOTS else self.slot_of[(name, mb)]
+        slot = name if name in self.p2p else self.slot_of[(name, mb)]
         arr = self.arrays.get(slot)
         if arr is None:  # zeros: calloc'd, pages appear as messages touch them
             arr = self.arrays[slot] = np.zeros(self.size[slot], dtype=np.float32)
@@ -380,6 +391,8 @@ class GPT3Runtime:
         self.S, self.plan, self.dp_rank, self.source = S, plan, dp_rank, source
         self.lr, self.wd = args.lr, args.weight_decay
         self.counts = {(op.buf, op.mb): op.count for op in plan.ops if isinstance(op, Collective)}
+        # the context-parallel ring's messages (pipeline messages are S.act)
+        self.counts.update({(m.buf, m.mb): m.count for _, m, _ in plan.messages()})
         self.model = self.pool = None
         self.layout = Layout(S, stage)
         self.ranges = {}
@@ -482,7 +495,7 @@ def make_job(args, world: int) -> runner.Job:
         model_extra=moe_text(S),
         messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
     )
-    groups = ("pp", "tp", "dp", "embed", "ep", "edp")
+    groups = ("pp", "tp", "dp", "embed", "ep", "edp", *describe.cp_groups(S))
     return runner.Job(
         prog=PROG,
         proxy="gpt3",

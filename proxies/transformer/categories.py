@@ -9,5 +9,22 @@ CATEGORIES = {
     "tp_reduce_scatter": "tensor-parallel reduce-scatter",
     "ep_alltoall": "expert all-to-all (dispatch, combine)",
     "edp_allreduce": "expert-data-parallel allreduce",
+    # context parallelism (transformer/context.py): the ring's point-to-point key/value
+    # blocks ("cp", with cp_send / cp_recv bytes), and the collectives of the other comms
+    "cp": "context-parallel ring (k,v and dk,dv blocks)",
+    "cp_allgather": "context-parallel allgather (k,v)",
+    "cp_allreduce": "context-parallel allreduce (dk,dv)",
+    "cp_reduce": "context-parallel reduces (dk,dv)",
+    "cp_reduce_scatter": "context-parallel reduce-scatter (dk,dv)",
+    "cp_alltoall": "context-parallel all-to-all (Ulysses)",
 }
-SHORT = {"embed_allreduce": "tied ar", "ep_alltoall": "ep a2a"}
+SHORT = {
+    "embed_allreduce": "tied ar",
+    "ep_alltoall": "ep a2a",
+    "cp": "cp ring",
+    "cp_allgather": "cp ag",
+    "cp_allreduce": "cp ar",
+    "cp_reduce": "cp red",
+    "cp_reduce_scatter": "cp rs",
+    "cp_alltoall": "cp a2a",
+}

@@ -17,6 +17,33 @@ def layers_per_stage(S: Setup) -> list[int]:
     return [sum(len(ch.layers) for ch in S.chunks(s)) for s in range(S.pp)]
 
 
+def cp_groups(S: Setup) -> tuple[str, ...]:
+    """The context-parallel group names a plan may use (communicators): "cp", and the
+    per-root groups of --cp-grad-reduce reduce."""
+    if S.cp == 1:
+        return ()
+    return ("cp", *(f"cp_r{i}" for i in range(S.cp)))
+
+
+def cp_text(S: Setup) -> str:
+    """The messages line's context-parallel part: what each layer exchanges over cp."""
+    C, n = S.cfg.n_embd // S.tp, S.cp
+    kv = S.B * S.Tc * 2 * C  # one rank's keys and values
+    if S.cp_comm == "allgather":
+        red = {
+            "allreduce": "allreduce",
+            "reduce": f"{n} reduces",
+            "reduce-scatter": "reduce-scatter",
+        }
+        return (
+            f" · cp allgather of k,v {n * kv:,} floats per layer, their gradients "
+            f"{red[S.cp_reduce]} {(n * kv if S.cp_reduce != 'reduce' else kv):,}"
+        )
+    if S.cp_comm == "ring":
+        return f" · cp ring {n - 1} x {kv:,} floats forward, {n} steps of k,v and dk,dv backward"
+    return f" · cp all-to-all {S.Nc * 3 * C:,} (qkv) and {S.Nc * C:,} (out) floats per layer"
+
+
 def data_text(args: Namespace, source) -> str:
     """The token source as the header names it: synthetic or the file, or none (gpt2's C++
     schedule trains nothing; a dry run does not open the file)."""
@@ -43,12 +70,16 @@ def header(
         + (f" padded to {S.vocab}" if S.vocab != V else "")
         + f") · {cfg.n_layer} layers = {n:,} parameters ({si_count(n)})"
         + model_extra,
-        f"grid: tp {S.tp} x pp {S.pp} x dp {S.dp} (order {grid.order}) · layers per stage "
+        f"grid: tp {S.tp} x "
+        + (f"cp {S.cp} ({S.cp_split}, {S.cp_comm}) x " if S.cp > 1 else "")
+        + f"pp {S.pp} x dp {S.dp} (order {grid.order}) · layers per stage "
         + "-".join(map(str, per))
         + (f" in {S.v} chunks" if S.v > 1 else "")
         + f" · schedule {S.schedule} · {S.m} micro-batches of {S.B} x {S.T} tokens (global "
         f"batch {S.B * S.m * S.dp} samples)" + (" · sequence parallel" if S.sp else ""),
-        f"messages: pipeline {S.act:,} floats ({4 * S.act:,} B) · {messages} · data: "
+        f"messages: pipeline {S.act:,} floats ({4 * S.act:,} B) · {messages}"
+        + (cp_text(S) if S.cp > 1 else "")
+        + " · data: "
         f"{data_text(args, source)} · iterations {args.warmup} warm-up + {args.iters} timed"
         + (" · layers only" if S.layers_only else ""),
     ]
@@ -74,6 +105,10 @@ def config(S: Setup, grid: ProcessGrid, args: Namespace, own: dict, *, data: str
         "schedule": S.schedule,
         "order": grid.order,
         "global_batch": S.B * S.m * S.dp,
+        "cp": S.cp,
+        "cp_split": S.cp_split if S.cp > 1 else None,
+        "cp_comm": S.cp_comm if S.cp > 1 else None,
+        "cp_grad_reduce": S.cp_reduce if S.cp > 1 and S.cp_comm == "allgather" else None,
         **own,
         "compute": args.compute,
         "device_tflops": args.device_tflops,

@@ -309,3 +309,85 @@ def megatron_virtual(args: argparse.Namespace, layers: int, stages: int) -> int:
             f"--virtual-stages {v}: give one"
         )
     return per // n
+
+
+# -- context parallelism -------------------------------------------------------------------
+
+
+def add_cp(p: argparse.ArgumentParser) -> None:
+    """--cp and how it splits the sequence and exchanges keys and values
+    (transformer/context.py); the rules are cp_rules'."""
+    from proxies.transformer import context
+
+    g = p.add_argument_group("context parallelism")
+    g.add_argument(
+        "--cp",
+        "--context-parallel-size",
+        type=cli.positive_int,
+        default=1,
+        metavar="N",
+        help="context-parallel degree: each sequence split over N ranks by its tokens "
+        "(cp x dp x tp x pp = world size; compute model or none for now)",
+    )
+    g.add_argument(
+        "--cp-split",
+        choices=context.SPLITS,
+        default="zigzag",
+        help="which tokens each cp rank holds: contiguous blocks, interleaved (token t on "
+        "rank t mod N) or zigzag (2N chunks, rank i holds i and 2N-1-i: Megatron-LM's, "
+        "balanced; the default)",
+    )
+    g.add_argument(
+        "--cp-comm",
+        choices=context.COMMS,
+        default="ring",
+        help="what attention exchanges per layer: allgather (the keys and values of all "
+        "ranks), ring (N-1 key/value block passes, Megatron-LM's p2p; the default) or "
+        "alltoall (DeepSpeed Ulysses: sequence shards <-> head shards)",
+    )
+    g.add_argument(
+        "--cp-grad-reduce",
+        choices=context.GRAD_REDUCES,
+        help="with --cp-comm allgather: the key/value gradients' reduction: one allreduce "
+        "(the default), N reduces each rooted at the keys' owner, or a reduce-scatter",
+    )
+
+
+def cp_rules(
+    args: argparse.Namespace, world: int, *, T: int, heads: int, tp: int, pp: int, sp: bool
+) -> dict:
+    """The --cp options checked against each other and the world size (UsageError names
+    the rule broken): Setup's cp fields."""
+    n, err = args.cp, cli.UsageError
+    if n == 1:
+        return {}
+    if world % (n * tp * pp):
+        tp_text = f"--tp {tp} x " if tp > 1 else ""
+        raise err(
+            f"world size {world} is not cp * dp * tp * pp: not a multiple of --cp {n} x "
+            f"{tp_text}STAGES {pp} = {n * tp * pp}"
+        )
+    if args.compute in ("real", "replay"):
+        raise err(f"--cp > 1 runs with --compute model or none for now (not {args.compute})")
+    if args.cp_grad_reduce is not None and args.cp_comm != "allgather":
+        raise err(f"--cp-grad-reduce needs --cp-comm allgather (it is {args.cp_comm})")
+    parts = 2 * n if args.cp_split == "zigzag" else n
+    if T % parts:
+        what = f"2 x --cp {n} = {parts} (zigzag's chunks)" if parts != n else f"--cp {n}"
+        raise err(f"--seq-len {T} is not a multiple of {what}")
+    if sp and (T // n) % tp:
+        raise err(
+            f"--sequence-parallel with --cp {n}: the {T // n} tokens per cp rank are not a "
+            f"multiple of --tp {tp}"
+        )
+    if args.cp_comm == "alltoall" and (heads // tp) % n:
+        raise err(
+            f"--cp-comm alltoall splits the {heads // tp} attention heads per tensor-parallel "
+            f"rank over --cp {n}: not a multiple"
+        )
+    return {
+        "cp": n,
+        "cp_split": args.cp_split,
+        "cp_comm": args.cp_comm,
+        "cp_reduce": args.cp_grad_reduce or "allreduce",
+    }

@@ -13,8 +13,9 @@ from functools import lru_cache
 from proxies.core.grads import Flat, GradSync, Unit
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import Collective, Compute, Op, Plan
+from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan
 from proxies.core.schedules import SCHEDULES
+from proxies.transformer import context
 from proxies.transformer.config import GPT2Config, backward_pieces, stage_flops, stage_layout
 from proxies.transformer.layout import Layout
 from proxies.transformer.layout import Unit as LayoutUnit
@@ -31,7 +32,10 @@ class Piece:
     completes: tuple[int, ...] = ()
 
 
-Item = Piece | Collective
+Item = Piece | Collective | P2P
+# A rank's place in its context-parallel group: (cp rank, world rank of cp rank - 1, of + 1);
+# None without context parallelism.
+CPPlace = tuple[int, int, int] | None
 
 
 class Pieces:
@@ -58,7 +62,117 @@ class Pieces:
             self.f_expert = 4.0 * moe.experts * cap * sources * C * moe.ffn_hidden / tp
             self.moe_count = moe.experts * cap * C  # one rank's dispatch buffer (E, cap, C)
         self.tp_count = N * C
+        if S.cp > 1:
+            self._cp_flops()
         self.cache: dict = {}
+
+    def _cp_flops(self) -> None:
+        """Context parallel: each rank's pieces on its B * T / cp tokens; the attention core
+        split into the qkv and output projections around it, and the core's FLOPs (QK^T and
+        AV of the whole sequence, as layer_flops counts them) shared out by the split's
+        causal work between query and key blocks (context.work_shares)."""
+        S, C, tp, Nc = self.S, self.S.cfg.n_embd, self.S.tp, self.S.Nc
+        self.f_qkv, self.f_proj = 6.0 * Nc * C * C / tp, 2.0 * Nc * C * C / tp
+        self.f_core = 4.0 * S.B * S.T * S.T * C / tp
+        self.f_mlp = 16.0 * Nc * C * C / tp
+        self.f_qkv_bwd = 2 * self.f_qkv
+        self.f_head = 2.0 * Nc * C * S.vocab / tp
+        self.shares = context.work_shares(S.T, S.cp, S.cp_split)
+        self.tp_count = Nc * C
+        self.kv = S.B * S.Tc * 2 * C // tp  # one rank's keys and values (B, T/cp, 2C/tp)
+
+    # -- context parallelism: the attention core and what it exchanges over cp ----------
+
+    def _ring(self, place: CPPlace, name: str, count: int) -> P2P:
+        """One ring step: `count` floats to cp rank + 1, as many from cp rank - 1."""
+        _, prev, nxt = place
+        return P2P(
+            "cp_ring",
+            sends=(Msg(nxt, context.RING_TAG, f"{name}_out", 0, count),),
+            recvs=(Msg(prev, context.RING_TAG, f"{name}_in", 0, count),),
+            category="cp",
+        )
+
+    def _cp_forward(self, l: int, place: CPPlace) -> list[Item]:
+        """qkv -> [cp exchange] -> attention core -> [cp exchange] -> output projection."""
+        S, r, n = self.S, place[0], self.S.cp
+        qkv, proj = Piece(f"fwd_qkv:{l}", self.f_qkv), Piece(f"fwd_proj:{l}", self.f_proj)
+        work = self.f_core * self.shares[r]  # per key block
+        if S.cp_comm == "allgather":
+            ag = Collective("allgather", "cp", "cp_kv", n * self.kv, category="cp_allgather")
+            return [qkv, ag, Piece(f"fwd_core:{l}", work.sum()), proj]
+        if S.cp_comm == "alltoall":
+            # Ulysses: (B, T/n, 3C/tp) sequence shards -> (B, T, 3C/(tp n)) head shards and
+            # the core's output back; every rank then has all T tokens of its heads, so the
+            # causal work is the same on every rank whatever the split.
+            C = S.cfg.n_embd // S.tp
+            return [
+                qkv,
+                Collective("alltoall", "cp", "cp_qkv", S.Nc * 3 * C, category="cp_alltoall"),
+                Piece(f"fwd_core:{l}", self.f_core / n),
+                Collective("alltoall", "cp", "cp_out", S.Nc * C, category="cp_alltoall"),
+                proj,
+            ]
+        # ring: step s computes the key/value block of cp rank r - s; the exchange that
+        # brings the next block is issued before the current block's computation (TE's
+        # order). P2P batches are blocking here, so it does not yet overlap.
+        items: list[Item] = [qkv]
+        for s in range(n):
+            if s < n - 1:
+                items.append(self._ring(place, "cp_kv", self.kv))
+            items.append(Piece(f"fwd_core{s}:{l}", work[(r - s) % n]))
+        return items + [proj]
+
+    def _cp_backward(self, l: int, place: CPPlace) -> list[Item]:
+        """The output projection's backward, the core's with its cp exchanges; the qkv
+        projection's backward is the caller's (sequence parallelism gathers before it)."""
+        S, r, n = self.S, place[0], self.S.cp
+        items: list[Item] = [Piece(f"bwd_proj:{l}", 2 * self.f_proj)]
+        work = 2 * self.f_core * self.shares[r]
+        if S.cp_comm == "allgather":
+            # the gathered keys and values are kept from the forward; their gradients are
+            # partial sums on every rank whose queries saw them
+            items.append(Piece(f"bwd_core:{l}", work.sum()))
+            whole = n * self.kv
+            if S.cp_reduce == "allreduce":
+                return items + [
+                    Collective("allreduce", "cp", "cp_dkv", whole, category="cp_allreduce")
+                ]
+            if S.cp_reduce == "reduce-scatter":
+                return items + [
+                    Collective(
+                        "reduce_scatter", "cp", "cp_dkv", whole, category="cp_reduce_scatter"
+                    )
+                ]
+            return items + [
+                Collective("reduce", f"cp_r{i}", "cp_dkv", self.kv, category="cp_reduce")
+                for i in context.reduce_groups(n, S.cp_split, r)
+            ]
+        if S.cp_comm == "alltoall":
+            C = S.cfg.n_embd // S.tp
+            return items + [
+                Collective("alltoall", "cp", "cp_out", S.Nc * C, category="cp_alltoall"),
+                Piece(f"bwd_core:{l}", 2 * self.f_core / n),
+                Collective("alltoall", "cp", "cp_qkv", S.Nc * 3 * C, category="cp_alltoall"),
+            ]
+        # ring, as TransformerEngine's AttnFuncWithCPAndKVP2P.backward: n exchanges, the
+        # first the key/value block only, the last the key/value gradient accumulator only,
+        # the others both in one message. Step i (< n-1) computes the block of cp rank
+        # r-i-1 and its gradient accumulator travels on with it, one step behind, so the
+        # owner receives its finished dk/dv at the last exchange and adds its own
+        # (diagonal) block, computed last.
+        for i in range(n):
+            kv, dkv = i < n - 1, i > 0
+            name = "cp_kvdkv" if kv and dkv else "cp_kv" if kv else "cp_dkv"
+            items.append(self._ring(place, name, (kv + dkv) * self.kv))
+            src = (r - i - 1) % n if i < n - 1 else r
+            items.append(Piece(f"bwd_core{i}:{l}", work[src]))
+        return items
+
+    def _attn_forward(self, l: int, place: CPPlace) -> list[Item]:
+        if place is None:
+            return [Piece(f"fwd_attn:{l}", self.f_attn, ())]
+        return self._cp_forward(l, place)
 
     def _tp(self, kind: str) -> list[Item]:
         if self.S.tp == 1:
@@ -80,12 +194,12 @@ class Pieces:
         n = self.S.tp * self.moe_count
         return [Collective(kind, "tp", "moe_tp", n, category=f"tp_{kind}")]
 
-    def _sp_layer_forward(self, l: int) -> list[Item]:
+    def _sp_layer_forward(self, l: int, place: CPPlace) -> list[Item]:
         """Sequence parallel: AG ln1 -> attention -> RS; AG ln2 -> MLP -> RS, or the MoE
         dispatch on the shard: gate -> A2A(ep) -> AG(tp) -> experts -> RS(tp) -> A2A(ep)."""
         ag, rs = self._tp("allgather"), self._tp("reduce_scatter")
         items = [Piece(f"fwd_ln1:{l}", 0.0, ())] + ag
-        items += [Piece(f"fwd_attn:{l}", self.f_attn, ())] + rs
+        items += self._attn_forward(l, place) + rs
         if self.S.moe:
             items += [Piece(f"fwd_gate:{l}", self.f_gate, ())] + self._ep()
             items += self._moe_tp("allgather") + [Piece(f"fwd_expert:{l}", self.f_expert, ())]
@@ -96,7 +210,7 @@ class Pieces:
             items += [Piece(f"fwd_mlp:{l}", self.f_mlp, ())] + rs
         return items
 
-    def _sp_layer_backward(self, ch, l: int) -> list[Item]:
+    def _sp_layer_backward(self, ch, l: int, place: CPPlace) -> list[Item]:
         """Sequence parallel, Megatron's order: AG d out -> fcproj -> AG ln2 (again, for fc's
         weight gradient) -> fc -> RS -> ln2 -> AG d out -> proj, attention -> AG ln1 (again)
         -> qkv -> RS -> ln1 -> AG d out for the layer below (or the embedding). The first AG
@@ -113,7 +227,10 @@ class Pieces:
             items = [Piece(f"bwd_fcproj:{l}", self.f_mlp, ())] + ag
             items += [Piece(f"bwd_mlp:{l}", self.f_mlp, ())] + rs
         items += [Piece(f"bwd_ln2:{l}", 0.0, ())] + ag
-        items += [Piece(f"bwd_proj:{l}", 2 * self.f_attn - self.f_qkv_bwd, ())] + ag
+        if place is None:
+            items += [Piece(f"bwd_proj:{l}", 2 * self.f_attn - self.f_qkv_bwd, ())] + ag
+        else:
+            items += self._cp_backward(l, place) + ag
         items += [Piece(f"bwd_attn:{l}", self.f_qkv_bwd, ())] + rs
         last = l == ch.layers[0]
         items += [Piece(f"bwd_ln1:{l}", 0.0, (l, -1) if last and not ch.embed else (l,))]
@@ -122,20 +239,20 @@ class Pieces:
             items += ag
         return items
 
-    def forward(self, ch) -> list[Item]:
+    def forward(self, ch, place: CPPlace = None) -> list[Item]:
         S, sp, items = self.S, self.S.sp, []
         if ch.embed:
             items += [Piece("fwd_embed", 0.0, ())] + self._ar()  # Megatron: allreduce also with SP
         for l in ch.layers:
             if sp:
-                items += self._sp_layer_forward(l)
+                items += self._sp_layer_forward(l, place)
             elif S.moe:
                 items += [Piece(f"fwd_attn:{l}", self.f_attn, ())] + self._ar()
                 items += [Piece(f"fwd_gate:{l}", self.f_gate, ())] + self._ep()
                 items += [Piece(f"fwd_expert:{l}", self.f_expert, ())] + self._ep()
                 items += [Piece(f"fwd_combine:{l}", 0.0, ())] + self._ar()
             else:
-                items += [Piece(f"fwd_attn:{l}", self.f_attn, ())] + self._ar()
+                items += self._attn_forward(l, place) + self._ar()
                 items += [Piece(f"fwd_mlp:{l}", self.f_mlp, ())] + self._ar()
         if ch.head:
             if sp:
@@ -143,14 +260,14 @@ class Pieces:
             ce = (
                 []
                 if S.tp == 1
-                else [Collective("allgather", "tp", "ce", S.tp * 3 * S.N, category="tp_allgather")]
+                else [Collective("allgather", "tp", "ce", S.tp * 3 * S.Nc, category="tp_allgather")]
             )
             items += [Piece("fwd_head", self.f_head, ())] + ce + [Piece("fwd_loss", 0.0, ())]
         else:
             items.append(Piece("fwd_out", 0.0, ()))
         return items
 
-    def backward(self, ch) -> list[Item]:
+    def backward(self, ch, place: CPPlace = None) -> list[Item]:
         S, sp, items = self.S, self.S.sp, []
         # Sequence parallel: the d out of the top layer's fcproj is allgathered (a dense
         # MLP's row-parallel backward needs it all; the MoE combine only its shard). The LM
@@ -168,7 +285,7 @@ class Pieces:
         done: tuple[int, ...] = ()  # layers finished by the next compute piece
         for l in reversed(ch.layers):
             if sp:
-                items += self._sp_layer_backward(ch, l)
+                items += self._sp_layer_backward(ch, l, place)
                 continue
             if S.moe:
                 items += [Piece(f"bwd_combine:{l}", 0.0, done)]
@@ -183,7 +300,11 @@ class Pieces:
                 items += self._ep() + [Piece(f"bwd_gate:{l}", 2 * self.f_gate, ())] + self._ar()
             else:
                 items += [Piece(f"bwd_mlp:{l}", 2 * self.f_mlp, done)] + self._ar()
-            items += [Piece(f"bwd_attn:{l}", 2 * self.f_attn, ())] + self._ar()
+            if place is None:
+                items += [Piece(f"bwd_attn:{l}", 2 * self.f_attn, ())] + self._ar()
+            else:
+                items += self._cp_backward(l, place)
+                items += [Piece(f"bwd_qkv:{l}", 2 * self.f_qkv, ())] + self._ar()
             done = (l,)
         if sp:
             if ch.embed:
@@ -192,11 +313,11 @@ class Pieces:
             items += [Piece("bwd_end", 0.0, (*done, -1))]
         return items
 
-    def ops(self, kind: str, ch, mb: int) -> tuple[Op, ...]:
-        key = (kind, ch.vstage, mb)
+    def ops(self, kind: str, ch, mb: int, place: CPPlace = None) -> tuple[Op, ...]:
+        key = (kind, ch.vstage, mb, place)
         out = self.cache.get(key)
         if out is None:
-            items = self.forward(ch) if kind == "forward" else self.backward(ch)
+            items = self.forward(ch, place) if kind == "forward" else self.backward(ch, place)
             out = self.cache[key] = tuple(self._op(it, mb, ch.index) for it in items)
         return out
 
@@ -204,6 +325,12 @@ class Pieces:
     def _op(item: Item, mb: int, chunk: int) -> Op:
         if isinstance(item, Piece):
             return Compute(item.name, mb, chunk, item.flops)
+        if isinstance(item, P2P):
+            return replace(
+                item,
+                sends=tuple(replace(m, mb=mb, chunk=chunk) for m in item.sends),
+                recvs=tuple(replace(m, mb=mb, chunk=chunk) for m in item.recvs),
+            )
         return replace(item, mb=mb)
 
 
@@ -217,7 +344,7 @@ def grad_sync(S: Setup, layout: Layout) -> GradSync:
     flight; each bucket's buffer is ("dpgrad" | "edpgrad", bucket index)."""
     edp = S.dp // S.moe.ep if S.moe else 1
     flats = []
-    if S.dp > 1:
+    if S.dp * S.cp > 1:  # the "dp" group holds the dp x cp ranks of a shard (groups())
         flats.append(Flat("dpgrad", "dp", layout.dense_size, span=False))
     if edp > 1:
         flats.append(Flat("edpgrad", "edp", layout.expert_size, span=False))
@@ -256,11 +383,34 @@ def groups(S: Setup, grid: ProcessGrid, rank: int) -> dict[str, tuple[int, ...]]
         )
         out["ep"] = grid.group("ep", rank)
         out["edp"] = grid.group("dp", rank)
+    elif S.cp > 1:
+        # weight gradients are reduced over cp together with dp: one group of every rank
+        # with this (tp, pp), Megatron's data-parallel group "with context parallel"
+        out["dp"] = tuple(
+            sorted(
+                grid.rank_of(**{**c, "cp": k, "dp": d})
+                for d in range(grid.degree("dp"))
+                for k in range(S.cp)
+            )
+        )
     else:
         out["dp"] = grid.group("dp", rank)
+    if S.cp > 1:
+        cp = out["cp"] = grid.group("cp", rank)
+        if S.cp_comm == "allgather" and S.cp_reduce == "reduce":
+            for i in context.reduce_groups(S.cp, S.cp_split, c["cp"]):
+                out[f"cp_r{i}"] = tuple(cp[j] for j in context.reduce_group(S.cp, S.cp_split, i))
     if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only:
         out["embed"] = (pp_ranks[0], pp_ranks[-1])
     return out
+
+
+def cp_place(S: Setup, grid: ProcessGrid, rank: int) -> CPPlace:
+    """(cp rank, world ranks of the previous and next cp rank), or None without cp."""
+    if S.cp == 1:
+        return None
+    g, r = grid.group("cp", rank), grid.coords(rank)["cp"]
+    return r, g[(r - 1) % S.cp], g[(r + 1) % S.cp]
 
 
 def gpt3_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces: Pieces) -> Plan:
@@ -275,18 +425,19 @@ def gpt3_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces: Pie
     last_mb = {a.chunk: a.mb for a in actions if a.kind == "B"}
     layout = Layout(S, s)
     sync = grad_sync(S, layout)
+    place = cp_place(S, grid, rank)
     ops: list[Op] = []
     for op in pipeline_ops(actions, s, grid.group("pp", rank), S.v, S.act):
         if not isinstance(op, Compute):
             ops.append(op)
             continue
         ch = chunks[op.chunk]
-        expanded = pieces.ops(op.name, ch, op.mb)
+        expanded = pieces.ops(op.name, ch, op.mb, place)
         if op.name != "backward" or op.mb != last_mb[op.chunk]:
             ops.extend(expanded)
             continue
         # the last backward of this chunk: post each bucket once its layers are done
-        for it, o in zip(pieces.backward(ch), expanded, strict=True):
+        for it, o in zip(pieces.backward(ch, place), expanded, strict=True):
             ops.append(o)
             if isinstance(it, Piece) and it.completes:
                 ops += sync.after((op.chunk, layer) for layer in it.completes)

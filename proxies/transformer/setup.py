@@ -131,6 +131,14 @@ class Setup:
     # backward), fused, per-tensor, zero1, or per-layer (gpt2's C++ parity schedule).
     sync: str = "buckets"
     bucket_mb: float | None = None  # the bucket size as given in MiB (None: not given)
+    # Context parallelism (transformer/context.py): the sequence split over cp ranks by its
+    # tokens, how they split it and what attention exchanges; cp = 1: none.
+    cp: int = 1
+    cp_split: str = "zigzag"  # contiguous | interleaved | zigzag
+    cp_comm: str = "ring"  # allgather | ring | alltoall
+    cp_reduce: str = (
+        "allreduce"  # allgather's key/value gradients: allreduce | reduce | reduce-scatter
+    )
 
     @property
     def zero(self) -> int:
@@ -142,10 +150,20 @@ class Setup:
         return self.B * self.T
 
     @property
+    def Tc(self) -> int:
+        """Tokens of the sequence each context-parallel rank holds: T / cp."""
+        return self.T // self.cp
+
+    @property
+    def Nc(self) -> int:
+        """Tokens of a micro-batch each context-parallel rank holds: B * T / cp."""
+        return self.B * self.Tc
+
+    @property
     def Ts(self) -> int:
-        """Tokens of the sequence each rank holds between TP regions: T / tp with sequence
-        parallelism, else T."""
-        return self.T // self.tp if self.sp else self.T
+        """Tokens of the sequence each rank holds between TP regions: T / cp / tp with
+        sequence parallelism, else T / cp."""
+        return self.Tc // self.tp if self.sp else self.Tc
 
     @property
     def Ns(self) -> int:

@@ -1,0 +1,297 @@
+"""Context parallelism (--cp) in the GPT plans: every comm x split at cp 2 and 4 against hand
+arithmetic (message counts, sizes, groups, peers), the causal work per rank, the pipeline
+and gradient groups, bad input, the 4096-rank dry run, and 4-rank model-compute runs with
+--check under MPI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from launch import mpirun
+
+from proxies.core.cli import UsageError
+from proxies.core.plan import P2P, Collective, Compute
+from proxies.core.simulate import simulate
+from proxies.gpt2 import proxy as gpt2
+from proxies.gpt3 import proxy as gpt3
+from proxies.gpt3.proxy import main, make_job, parser
+from proxies.transformer import context
+
+C = 64  # gpt3-tiny's width (4 heads)
+T = 64
+TINY = ["--model", "gpt3-tiny", "--seq-len", str(T), "--micro-batches", "1"]
+
+
+def job(argv: list[str], world: int, front=gpt3):
+    return front.make_job(front.parser().parse_args([*argv, "--dry-run"]), world)
+
+
+def cp_job(n: int, comm: str, split: str, *extra: str, world: int | None = None):
+    argv = ["1", "1", *TINY, "--cp", str(n), "--cp-comm", comm, "--cp-split", split, *extra]
+    return job(argv, world or n)
+
+
+def cp_ops(plan) -> list:
+    return [
+        op
+        for op in plan.ops
+        if (isinstance(op, P2P) and op.category == "cp")
+        or (isinstance(op, Collective) and op.category.startswith("cp"))
+    ]
+
+
+def test_causal_pairs_by_hand():
+    # T = 8 over 2 ranks; a query at p sees the keys at 0..p
+    contiguous = context.causal_pairs(8, 2, "contiguous")  # rank 0: 0-3, rank 1: 4-7
+    assert contiguous.tolist() == [[1 + 2 + 3 + 4, 0], [4 * 4, 1 + 2 + 3 + 4]]
+    zigzag = context.causal_pairs(8, 2, "zigzag")  # chunks of 2: rank 0 {0,1,6,7}, 1 {2,3,4,5}
+    assert zigzag.tolist() == [[1 + 2 + 3 + 4, 4 * 2], [2 * 4, 1 + 2 + 3 + 4]]
+    inter = context.causal_pairs(8, 2, "interleaved")  # rank 0 {0,2,4,6}, rank 1 {1,3,5,7}
+    assert inter.tolist() == [[1 + 2 + 3 + 4, 0 + 1 + 2 + 3], [1 + 2 + 3 + 4, 1 + 2 + 3 + 4]]
+    for split in context.SPLITS:
+        assert context.causal_pairs(1024, 4, split).sum() == 1024 * 1025 // 2
+
+
+@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_messages_peers_and_sizes(n, split):
+    j = cp_job(n, "ring", split)
+    K = T // n * 2 * C  # one rank's keys and values (B = 1, tp = 1)
+    for rank in range(n):
+        plan = j.plan(rank)
+        cp = plan.groups["cp"]
+        r = cp.index(rank)
+        ring = [op for op in cp_ops(plan)]
+        assert all(isinstance(op, P2P) for op in ring)
+        # forward n-1 key/value blocks; backward n exchanges: k,v | k,v + dk,dv | dk,dv
+        counts = [op.sends[0].count for op in ring]
+        assert counts == [K] * (n - 1) + [K] + [2 * K] * (n - 2) + [K]
+        for op in ring:
+            assert [m.peer for m in op.sends] == [cp[(r + 1) % n]]
+            assert [m.peer for m in op.recvs] == [cp[(r - 1) % n]]
+            assert op.sends[0].count == op.recvs[0].count
+    simulate([j.plan(r) for r in range(n)])
+
+
+@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("reduce", ["allreduce", "reduce-scatter", "reduce"])
+def test_allgather_and_its_gradient_reductions(n, split, reduce):
+    j = cp_job(n, "allgather", split, "--cp-grad-reduce", reduce)
+    K = T // n * 2 * C
+    for rank in range(n):
+        plan = j.plan(rank)
+        ops = cp_ops(plan)
+        assert (ops[0].kind, ops[0].group, ops[0].count) == ("allgather", "cp", n * K)
+        back = ops[1:]
+        if reduce != "reduce":
+            kind = reduce.replace("-", "_")
+            assert [(op.kind, op.group, op.count) for op in back] == [(kind, "cp", n * K)]
+            continue
+        r = plan.groups["cp"].index(rank)
+        # contiguous: the reduce rooted at i involves the ranks after i (none after the last)
+        roots = list(range(min(r + 1, n - 1))) if split == "contiguous" else list(range(n))
+        assert [op.group for op in back] == [f"cp_r{i}" for i in roots]
+        assert all(op.kind == "reduce" and op.count == K for op in back)
+        cp = plan.groups["cp"]
+        for i in roots:
+            members = plan.groups[f"cp_r{i}"]
+            assert members[0] == cp[i]  # the root, group rank 0
+            want = cp[i:] if split == "contiguous" else cp[i:] + cp[:i]
+            assert members == want
+    simulate([j.plan(r) for r in range(n)])
+
+
+@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_alltoall_ulysses(n, split):
+    j = cp_job(n, "alltoall", split)
+    Nc = T // n
+    for rank in range(n):
+        ops = cp_ops(j.plan(rank))
+        assert [(op.kind, op.buf, op.count) for op in ops] == [
+            ("alltoall", "cp_qkv", Nc * 3 * C),
+            ("alltoall", "cp_out", Nc * C),
+            ("alltoall", "cp_out", Nc * C),
+            ("alltoall", "cp_qkv", Nc * 3 * C),
+        ]
+    simulate([j.plan(r) for r in range(n)])
+
+
+def layer_flops(plan, prefix: str) -> float:
+    return sum(
+        op.flops for op in plan.ops if isinstance(op, Compute) and op.name.startswith(prefix)
+    )
+
+
+@pytest.mark.parametrize("comm", context.COMMS)
+@pytest.mark.parametrize("split", context.SPLITS)
+def test_work_adds_up_to_one_process_and_shows_the_imbalance(comm, split):
+    n = 4
+    one = job(["1", "1", *TINY, "--compute", "model"], 1).plan(0)
+    j = cp_job(n, comm, split)
+    plans = [j.plan(r) for r in range(n)]
+    total = sum(op.flops for p in plans for op in p.ops if isinstance(op, Compute))
+    assert total == pytest.approx(sum(op.flops for op in one.ops if isinstance(op, Compute)))
+    # the attention core's QK^T and AV: 4 B T^2 C forward, shared by the causal work
+    core = np.array([layer_flops(p, "fwd_core") for p in plans])
+    assert core.sum() == pytest.approx(4.0 * T * T * C)
+    if comm == "alltoall":  # every rank: all tokens of its heads
+        assert core == pytest.approx(core.mean())
+        return
+    pairs = context.causal_pairs(T, n, split).sum(axis=1)
+    ranks = [p.groups["cp"].index(p.rank) for p in plans]
+    assert core == pytest.approx(4.0 * T * T * C * pairs[ranks] / pairs.sum())
+    if split == "contiguous":  # the last rank: (2n-1)/n of the mean, less 1/T
+        assert core[-1] / core.mean() == pytest.approx((2 * n - 1) / n, rel=2 / T)
+    elif split == "zigzag":
+        assert core == pytest.approx(core.mean())
+    else:
+        assert np.abs(core / core.mean() - 1).max() < 0.1
+
+
+def test_pipeline_messages_shrink_and_gradients_reduce_over_dp_and_cp():
+    # 8 ranks: cp 2 x pp 2 x dp 2; with tp 2 and sequence parallelism another / tp
+    j = job(["2", "2", *TINY, "--cp", "2"], 8)
+    plan = j.plan(0)
+    assert {m.count for _, m, _ in plan.messages() if m.buf.startswith(("act", "grad"))} == {
+        T // 2 * C
+    }
+    g = j.grid
+    dp = plan.groups["dp"]
+    assert len(dp) == 4 and set(dp) == {
+        g.rank_of(pp=0, tp=0, cp=k, dp=d) for k in range(2) for d in range(2)
+    }
+    grads = [op for op in plan.ops if isinstance(op, Collective) and op.group == "dp"]
+    one = job(["2", "2", *TINY], 4).plan(0)
+    assert [op.count for op in grads] == [
+        op.count for op in one.ops if isinstance(op, Collective) and op.group == "dp"
+    ]
+    sp = job(["2", "2", *TINY, "--cp", "2", "--tp", "2", "--sequence-parallel"], 16).plan(0)
+    assert {m.count for _, m, _ in sp.messages() if m.buf.startswith(("act", "grad"))} == {
+        T // 2 // 2 * C
+    }
+
+
+def test_cp_1_is_the_plan_without_cp():
+    a = job(["2", "2", *TINY, "--tp", "2"], 8)
+    b = job(["2", "2", *TINY, "--tp", "2", "--cp", "1"], 8)
+    assert a.grid == b.grid and all(a.plan(r) == b.plan(r) for r in range(8))
+
+
+def test_gpt2_plans_per_layer_with_cp():
+    j = job(["2", "1", "--cp", "2", "--cp-comm", "allgather", "--seq-len", "64"], 4, gpt2)
+    plan = j.plan(0)
+    names = [op.name for op in plan.ops if isinstance(op, Compute)][:5]
+    assert names == ["fwd_embed", "fwd_qkv:0", "fwd_core:0", "fwd_proj:0", "fwd_mlp:0"]
+    assert plan.groups["cp"] == tuple(j.grid.group("cp", 0)) and len(plan.groups["dp"]) == 4
+    simulate([j.plan(r) for r in range(4)])
+
+
+BAD = [
+    (["--cp", "3"], 4, "not a multiple of --cp 3"),
+    (["--cp", "2", "--seq-len", "66"], 2, "--seq-len 66 is not a multiple of 2 x --cp 2 = 4"),
+    (
+        ["--cp", "4", "--seq-len", "34", "--cp-split", "contiguous"],
+        4,
+        "--seq-len 34 is not a multiple of --cp 4",
+    ),
+    (["--cp", "4", "--cp-comm", "alltoall", "--tp", "2"], 8, "2 attention heads per tensor"),
+    (["--cp", "2", "--cp-grad-reduce", "reduce"], 2, "--cp-grad-reduce needs --cp-comm allgather"),
+    (["--cp", "2", "--compute", "real"], 2, "--cp > 1 runs with --compute model or none"),
+    (["--cp", "2", "--compute", "replay"], 2, "--cp > 1 runs with --compute model or none"),
+    (["--cp", "2", "--moe-experts", "4"], 2, "--cp with --moe-experts"),
+    (
+        ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
+        8,
+        "not a multiple of --tp 4",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv,world,words", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_a_usage_error(argv, world, words):
+    with pytest.raises(UsageError) as e:
+        make_job(parser().parse_args(["4", "1", "--model", "gpt3-tiny", *argv]), world)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--cp", "2", "--schedule", "cpp"], "has no context parallelism"),
+        (["--cp", "2", "--model", "dnn-cpp-proxies"], "has no context parallelism"),
+        (["--cp", "2", "--zero", "1"], "not --zero 1"),
+        (["--cp", "2", "--grad-sync", "fused"], "not --grad-sync fused"),
+    ],
+)
+def test_gpt2_bad_input(argv, words):
+    with pytest.raises(UsageError) as e:
+        gpt2.make_job(gpt2.parser().parse_args(["4", "1", *argv]), 2)
+    assert words in str(e.value)
+
+
+def test_dry_run_4096_ranks_lists_the_cp_messages(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["8", "8", "--tp", "8", "--cp", "8", "--micro-batches", "8", "--dry-run"]
+    assert main([*argv, "--world-size", "4096", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cp 8 (zigzag, ring)" in text and "plan valid" in text
+    got = json.loads(out.read_text())
+    assert got["grid"] == {"order": "pp-tp-cp-dp", "pp": 8, "tp": 8, "cp": 8, "dp": 8}
+    # GPT-3 175B widths at T 2048: one rank's k,v block B x T/8 x 2C/8 floats, 15 ring
+    # messages per layer and micro-batch (7 forward, 8 backward, 3 of them double)
+    K = 2048 // 8 * 2 * 12288 // 8
+    per_layer = (7 + 1 + 2 * 6 + 1) * K  # forward 7 K; backward K, 6 x 2K, K
+    assert got["bytes"]["cp_send"][0] == 4 * per_layer * 8  # 1 layer per stage, 8 mbs
+    assert got["config"]["cp"] == 8 and got["config"]["cp_comm"] == "ring"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "front,args",
+    [
+        ("gpt3", ["--cp-comm", "allgather", "--cp-split", "contiguous"]),
+        ("gpt3", ["--cp-comm", "allgather", "--cp-grad-reduce", "reduce"]),
+        ("gpt3", ["--cp-comm", "ring"]),
+        ("gpt3", ["--cp-comm", "alltoall", "--cp-split", "interleaved"]),
+        ("gpt2", ["--cp-comm", "ring", "--cp-split", "contiguous"]),
+    ],
+)
+def test_4_ranks_model_compute_checks_every_cp_message(tmp_path, front, args):
+    out = tmp_path / "r.json"
+    model = ["--model", "gpt3-tiny"] if front == "gpt3" else []
+    r = mpirun(
+        4,
+        f"proxies.{front}",
+        "2",
+        "1",
+        *model,
+        "--seq-len",
+        "64",
+        "--cp",
+        "4",
+        *args,
+        "--compute",
+        "model",
+        "--check",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--json",
+        str(out),
+        "--timeout",
+        "60",
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["config"]["cp"] == 4 and got["grid"]["cp"] == 4
+    # the cp category measured on every rank, and the bytes the plan sends
+    cp = [c for c in got["breakdown_per_rank_s"] if c.startswith("cp")]
+    assert cp and all(len(got["breakdown_per_rank_s"][c]) == 4 for c in cp)
+    assert any(c.startswith("cp") for c in got["bytes"])
