@@ -204,6 +204,11 @@ def dry_run(job: Job, args, machine=None) -> int:
         if fields is None:
             return 1
         out |= fields
+    if args.chakra:  # every rank's trace, from its own plan (core/chakra.py)
+        from proxies.core import chakra
+
+        out["chakra"] = chakra.export(job, args.chakra, rate)
+        console.print(chakra.summary_line(out["chakra"]))
     if args.json and report.write_json(args.json, out, prog=job.prog) is None:
         return exits.FAILED
     return 0
@@ -555,6 +560,10 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
     machine = cli.use_machine(args)
+    if args.chakra:
+        from proxies.core import chakra
+
+        chakra.check_option(args.chakra)  # the package and the folder, before planning
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
         world = args.world_size or cli.env_world_size() or 1
