@@ -204,7 +204,7 @@ def dry_run(job: Job, args, machine=None) -> int:
         if fields is None:
             return 1
         out |= fields
-    if args.chakra:  # every rank's trace, from its own plan (core/chakra.py)
+    if args.chakra is not None:  # every rank's trace, from its own plan (core/chakra.py)
         from proxies.core import chakra
 
         out["chakra"] = chakra.export(job, args.chakra, rate)
@@ -560,7 +560,7 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     """Parse, build the job for the right world size, then dry-run or run."""
     args = parser.parse_args(argv)
     machine = cli.use_machine(args)
-    if args.chakra:
+    if args.chakra is not None:
         from proxies.core import chakra
 
         chakra.check_option(args.chakra)  # the package and the folder, before planning
