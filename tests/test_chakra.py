@@ -223,3 +223,11 @@ def test_bad_directory_is_exit_2(tmp_path):
     for bad, words in ((str(afile), "not a directory"), ("", "empty path")):
         with pytest.raises(cli.UsageError, match=words):
             proxy.main(["4", "2", "--dry-run", "--world-size", "8", "--chakra", bad])
+
+
+def test_real_run_is_refused_with_exit_2(tmp_path):
+    """Measured traces are not written yet: a run (not a dry run) with --chakra says so."""
+    from proxies.gpt2 import proxy
+
+    with pytest.raises(cli.UsageError, match="goes with --dry-run"):
+        proxy.main(["4", "2", "--chakra", str(tmp_path)])

@@ -572,6 +572,8 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
             faults.attach(job, args)  # bad input still exits 2 everywhere
             return 0
         return dry_run(job, args, machine)
+    if args.chakra is not None:  # measured durations need the engine's per-op times
+        raise cli.UsageError("--chakra goes with --dry-run (traces of the plan, modelled times)")
     if args.world_size is not None:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"
