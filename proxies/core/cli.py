@@ -402,6 +402,12 @@ def add_common(
         help="with --dry-run: plan for N ranks (default: the launcher's size, or 1)",
     )
     g.add_argument(
+        "--chakra",
+        metavar="DIR",
+        help="write Chakra execution traces of one iteration into DIR: <proxy>.<rank>.et per "
+        "rank and comm_group.json, for ASTRA-sim (needs the mlc-chakra package)",
+    )
+    g.add_argument(
         "--show-ranks",
         metavar="LIST",
         help="with --dry-run: ranks whose ops are listed, e.g. 0,5,7 or all "

@@ -205,6 +205,11 @@ def dry_run(job: Job, args, machine=None) -> int:
         if fields is None:
             return 1
         out |= fields
+    if args.chakra is not None:  # every rank's trace, from its own plan (core/chakra.py)
+        from proxies.core import chakra
+
+        out["chakra"] = chakra.export(job, args.chakra, rate)
+        console.print(chakra.summary_line(out["chakra"]))
     if args.json and report.write_json(args.json, out, prog=job.prog) is None:
         return exits.FAILED
     return 0
@@ -562,6 +567,10 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     machine = cli.use_machine(args)
     trace.check_args(args)
+    if args.chakra is not None:
+        from proxies.core import chakra
+
+        chakra.check_option(args.chakra)  # the package and the folder, before planning
     if args.dry_run:
         cli.check_output(args.json)  # before planning, however long that takes
         cli.check_output(args.trace, "--trace")
@@ -571,6 +580,8 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
             faults.attach(job, args)  # bad input still exits 2 everywhere
             return 0
         return dry_run(job, args, machine)
+    if args.chakra is not None:  # measured durations need the engine's per-op times
+        raise cli.UsageError("--chakra goes with --dry-run (traces of the plan, modelled times)")
     if args.world_size is not None:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"
