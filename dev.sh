@@ -49,6 +49,9 @@ setup() {
                 "$pip" install -q -e '.[test,plots]'
                 ;;
         esac
+        # The Chakra tests read traces with MLCommons' schema and reader (mlc-chakra), which
+        # need only protobuf (the test extra), not the ~80 trace-analysis packages it declares.
+        "$pip" install -q --no-deps 'mlc-chakra>=1.0.0'
         echo "$MPI" >"$stamp"
     fi
     export PATH="$PWD/$VENV/bin:$PATH"
