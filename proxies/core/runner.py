@@ -36,6 +36,7 @@ from proxies.core.engine import (
     describe,
 )
 from proxies.core.grid import ProcessGrid
+from proxies.core.live import Live, mode_for, reduce_iteration
 from proxies.core.plan import P2P, Collective, Compute, Plan, retype
 from proxies.core.waiting import Waiter
 
@@ -127,15 +128,16 @@ def dry_run(job: Job, args, machine=None) -> int:
     from proxies.core.simulate import PlanError, simulate
 
     faults.attach(job, args)  # checked against the job; in the header and config
+    console = report.console()
+    for line in job.header:  # now: planning a large world takes a while
+        console.print(line)
+    sys.stdout.flush()
     world = job.grid.size
     first = job.plan(0)
     dims = prediction.fold_dims(job, world, len(first.ops))
     rep_of = prediction.representatives(job.grid, dims) if dims else None
     reps = sorted(set(rep_of.tolist())) if dims else list(range(world))
     plans = {r: first if r == 0 else job.plan(r) for r in reps}
-    console = report.console()
-    for line in job.header:
-        console.print(line)
 
     print_plan_table(console, job, plans, rep_of if dims else None, dims)
     if job.dry_run_lines is not None:
@@ -392,17 +394,25 @@ def run(job: Job, args, MPI, machine=None) -> int:
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
+    # Rank 0 shows the header now, before plans, communicators and model (core/live.py).
+    live = Live(mode_for(args.quiet, rank, report.to_terminal()), args.warmup, args.iters)
+    live.lines(job.header)
     # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
     # kernel per rank as its values overflow.
     np.seterr(over="ignore", invalid="ignore")
     watchdog = Watchdog(world, job.prog, args.timeout)
     set_where(lambda: watchdog.what)  # for the line Ctrl-C prints
     watchdog.busy("building this rank's plan")
+    live.phase("building this rank's plan")
     plan = job.plan(rank)
     watchdog.beat("creating the communicators (a collective over every rank)")
+    live.phase("creating the communicators")
     comms = communicators(MPI, plan, job.group_names)
     watchdog.busy("building the model and its buffers")  # local work: no timer
+    live.phase("building the model and its buffers")
     runtime = job.runtime(rank, MPI, comms, args.compute)
+    if args.compute == "replay":
+        live.phase("calibrating replay times (ranks take turns)")
     replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
     fault = ""
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
@@ -415,6 +425,9 @@ def run(job: Job, args, MPI, machine=None) -> int:
         wait = "yield" if oversubscribed else "spin"
         node.Free()
     job.config["wait"] = wait
+    live.lines(
+        [run_line({"world_size": world.size, "mpi": mpi_describe(MPI), "config": job.config}, args)]
+    )
     engine = Engine(
         MPI,
         plan,
@@ -444,6 +457,11 @@ def run(job: Job, args, MPI, machine=None) -> int:
         losses[it] = runtime.finish_iteration(it)
         if it >= args.warmup:
             timed.append(t)
+        if not args.quiet:  # the progress line's numbers, between timed regions (live.py)
+            watchdog.beat(f"reducing iteration {it}'s time and loss for the progress line")
+            real = losses[it] if args.compute == "real" else None
+            live.iteration(it, *reduce_iteration(MPI, world, engine.waiter, t.total, real))
+    live.close()
     engine.close()
     job.config["progress"] = engine.progress_mode
     watchdog.beat("collecting results")
@@ -491,7 +509,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         result["replay_s"] = {f"{k[0]}/{k[1]}": v for k, v in sorted(replay.items())}
     report.print_report(
         result,
-        job.header + [run_line(result, args)],
+        [],  # the header and run line: printed before the first iteration (live.lines)
         quiet=args.quiet,
         table=job.report_categories(),
     )
