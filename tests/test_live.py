@@ -64,8 +64,8 @@ def test_plain_lines_and_phases():
     deadline = time.monotonic() + 30
     while "building" not in buf.getvalue() and time.monotonic() < deadline:
         time.sleep(0.01)  # the phase line comes from a timer thread
-    shown.iteration(0, 0.25, 3.0)
-    shown.iteration(1, 0.125, None)
+    shown.show(0, 0.25, 3.0)
+    shown.show(1, 0.125, None)
     shown.close()
     assert buf.getvalue().splitlines() == [
         "header one",
@@ -80,7 +80,7 @@ def test_a_quick_phase_leaves_no_line():
     out, buf = plain()
     shown = live.Live("plain", warmup=0, iters=1, out=out, slow_s=3600.0)
     shown.phase("creating the communicators")
-    shown.iteration(0, 0.5, None)  # ends the phase: its timer never fires
+    shown.show(0, 0.5, None)  # ends the phase: its timer never fires
     shown.close()
     assert buf.getvalue().splitlines() == ["iteration 1/1: 0.5000 s (slowest rank)"]
 
@@ -90,7 +90,7 @@ def test_off_prints_nothing():
     shown = live.Live("off", warmup=1, iters=1, out=out, slow_s=0.0)
     shown.lines(["header"])
     shown.phase("building")
-    shown.iteration(0, 0.1, 1.0)
+    shown.show(0, 0.1, 1.0)
     shown.close()
     time.sleep(0.05)
     assert buf.getvalue() == ""
@@ -103,11 +103,11 @@ def test_rich_bar_ends_at_the_last_iteration():
     shown.lines(["the header"])
     shown.phase("building the model and its buffers")
     for it in range(3):
-        shown.iteration(it, 0.1 * (it + 1), 1.5)
+        shown.show(it, 0.1 * (it + 1), 1.5)
     shown.close()
     text = buf.getvalue()
     assert text.index("the header") < text.index("building the model")
-    assert "3/3" in text and "0.3000 s · loss 1.500000" in text
+    assert "3/3" in text and "0.3000 s (slowest rank) · loss 1.500000" in text
     assert text.count("the header") == 1
 
 

@@ -41,43 +41,81 @@ def iteration_line(it: int, warmup: int, total: int, seconds: float, loss: float
 
 class Live:
     """Rank 0's running commentary (a no-op in mode 'off'). `out`: a rich console (by
-    default report.console()); `slow_s`: see SLOW_S."""
+    default report.console()); `slow_s`: see SLOW_S. `MPI` (with `compute`): the run's, for
+    the reductions of `iteration`; None prints what `show` is given."""
 
     def __init__(
-        self, mode: str, warmup: int, iters: int, out=None, slow_s: float = SLOW_S
+        self,
+        mode: str,
+        warmup: int,
+        iters: int,
+        out=None,
+        slow_s: float = SLOW_S,
+        MPI=None,
+        compute: str = "",
     ) -> None:
         self.mode, self.warmup, self.total, self.slow_s = mode, warmup, warmup + iters, slow_s
-        self.out = out
+        self.out, self.MPI, self.real = out, MPI, compute == "real"
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._bar = None  # rich Progress and its task, in rich mode once started
         self._task = None
+        self._in_phase = False  # the rich bar names a phase
         if mode != "off" and out is None:
             from proxies.core import report
 
             self.out = report.console()
 
+    @classmethod
+    def start(cls, args, MPI, header: list[str]) -> Live:
+        """A real run's (every rank makes one): rank 0 prints `header` at once."""
+        from proxies.core import report
+
+        rank = MPI.COMM_WORLD.rank
+        mode = mode_for(args.quiet, rank, rank == 0 and report.to_terminal())
+        quiet = args.quiet  # no line to show: no reduction either
+        shown = cls(mode, args.warmup, args.iters, MPI=None if quiet else MPI, compute=args.compute)
+        shown.lines(header)
+        return shown
+
     def lines(self, lines: list[str]) -> None:
-        """Print lines (the header) now, flushed."""
+        """Print lines (the header; the run line, which ends the set-up phases) now."""
         if self.mode == "off":
             return
+        self._end_phase()
         for line in lines:
             self.out.print(line)
         self._flush()
 
-    def phase(self, what: str) -> None:
+    def phase(self, what: str, when: bool = True) -> None:
         """A set-up phase begins (the previous one, if any, ends): plain text names it once
-        it has lasted slow_s; the rich bar shows it at once."""
-        self._end_phase()
+        it has lasted slow_s; the rich bar shows it at once. Nothing unless `when`."""
+        if not when:
+            return
+        self._end_phase(next_phase=True)
         if self.mode == "plain":
             self._timer = threading.Timer(self.slow_s, self._say_phase, (what,))
             self._timer.daemon = True
             self._timer.start()
         elif self.mode == "rich":
-            self._rich().update(self._task, description=what)
+            self._rich(what).update(self._task, description=what)
             self._bar.refresh()
+            self._in_phase = True
 
-    def iteration(self, it: int, seconds: float, loss: float | None) -> None:
+    def iteration(self, it: int, seconds: float, loss, waiter, watchdog) -> None:
+        """Collective, on every rank of a real run after iteration `it` (0-based, warm-up
+        first): this rank's `seconds` and `loss` ((sum, count)) reduced to rank 0, which
+        shows them. Nothing under --quiet (no MPI given)."""
+        if self.MPI is None:
+            return
+        watchdog.beat(f"reducing iteration {it}'s time and loss for the progress line")
+        comm = self.MPI.COMM_WORLD
+        pair = loss if self.real else None
+        slowest, mean = reduce_iteration(self.MPI, comm, waiter, seconds, pair)
+        if comm.rank == 0:
+            self.show(it, slowest, mean)
+
+    def show(self, it: int, seconds: float, loss: float | None) -> None:
         """Iteration `it` (0-based, warm-up first) completed in `seconds`."""
         self._end_phase()
         if self.mode == "plain":
@@ -85,9 +123,11 @@ class Live:
                 self.out.print(iteration_line(it, self.warmup, self.total, seconds, loss))
                 self._flush()
         elif self.mode == "rich":
-            last = f"{seconds:.4f} s" + (f" · loss {loss:.6f}" if loss is not None else "")
+            last = f"{seconds:.4f} s (slowest rank)" + (
+                f" · loss {loss:.6f}" if loss is not None else ""
+            )
             what = "warm-up" if it < self.warmup else "iterations"
-            self._rich().update(self._task, completed=it + 1, description=what, last=last)
+            self._rich(what).update(self._task, completed=it + 1, description=what, last=last)
             self._bar.refresh()
 
     def close(self) -> None:
@@ -102,15 +142,19 @@ class Live:
             self.out.print(f"{what} ...")
             self._flush()
 
-    def _end_phase(self) -> None:
+    def _end_phase(self, next_phase: bool = False) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._in_phase and not next_phase and self._bar is not None:
+            self._bar.update(self._task, description="running")
+            self._bar.refresh()
+        self._in_phase = False
 
     def _flush(self) -> None:
         getattr(self.out, "file", sys.stdout).flush()
 
-    def _rich(self):
+    def _rich(self, first: str):
         if self._bar is None:
             from rich.progress import (
                 BarColumn,
@@ -131,7 +175,7 @@ class Live:
                 redirect_stdout=False,  # others' prints (errors, the watchdog) go as they are
                 redirect_stderr=False,
             )
-            self._task = self._bar.add_task("setting up", total=self.total, last="")
+            self._task = self._bar.add_task(first, total=self.total, last="")
             self._bar.start()
             # A run ended by MPI_Abort or os._exit never reaches close(): keep the cursor.
             self.out.show_cursor(True)

@@ -36,7 +36,7 @@ from proxies.core.engine import (
     describe,
 )
 from proxies.core.grid import ProcessGrid
-from proxies.core.live import Live, mode_for, reduce_iteration
+from proxies.core.live import Live
 from proxies.core.plan import P2P, Collective, Compute, Plan, retype
 from proxies.core.waiting import Waiter
 
@@ -394,9 +394,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
-    # Rank 0 shows the header now, before plans, communicators and model (core/live.py).
-    live = Live(mode_for(args.quiet, rank, report.to_terminal()), args.warmup, args.iters)
-    live.lines(job.header)
+    live = Live.start(args, MPI, job.header)  # rank 0 prints the header now (core/live.py)
     # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
     # kernel per rank as its values overflow.
     np.seterr(over="ignore", invalid="ignore")
@@ -411,8 +409,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
     watchdog.busy("building the model and its buffers")  # local work: no timer
     live.phase("building the model and its buffers")
     runtime = job.runtime(rank, MPI, comms, args.compute)
-    if args.compute == "replay":
-        live.phase("calibrating replay times (ranks take turns)")
+    live.phase("calibrating replay times (ranks take turns)", args.compute == "replay")
     replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
     fault = ""
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
@@ -425,9 +422,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         wait = "yield" if oversubscribed else "spin"
         node.Free()
     job.config["wait"] = wait
-    live.lines(
-        [run_line({"world_size": world.size, "mpi": mpi_describe(MPI), "config": job.config}, args)]
-    )
+    live.lines([run_line(world.size, mpi_describe(MPI), wait, args)])
     engine = Engine(
         MPI,
         plan,
@@ -457,10 +452,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         losses[it] = runtime.finish_iteration(it)
         if it >= args.warmup:
             timed.append(t)
-        if not args.quiet:  # the progress line's numbers, between timed regions (live.py)
-            watchdog.beat(f"reducing iteration {it}'s time and loss for the progress line")
-            real = losses[it] if args.compute == "real" else None
-            live.iteration(it, *reduce_iteration(MPI, world, engine.waiter, t.total, real))
+        live.iteration(it, t.total, losses[it], engine.waiter, watchdog)  # between timed
     live.close()
     engine.close()
     job.config["progress"] = engine.progress_mode
@@ -557,13 +549,13 @@ def compare(job: Job, args, machine, result: dict, replays) -> None:
         report.write_json(args.json, result, prog=job.prog)
 
 
-def run_line(result: dict, args) -> str:
-    m = result["mpi"]
+def run_line(world_size: int, m: dict, wait: str, args) -> str:
+    """The header's last line: how the run runs (printed once MPI and waits are known)."""
     th = threads.decision
     blas = f"BLAS threads {th[0]}/rank ({th[3]})" if th else ""
     return (
-        f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
-        f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
+        f"ran on {world_size} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
+        f"thread level {m['thread_level']} · waits {wait} · {blas} · "
         f"compute {args.compute} · wire {args.dtype} (gradients {args.grad_dtype})"
         + (" · --check on" if args.check else "")
     )
