@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,19 +26,15 @@ from proxies.core import (
     report,
     threads,
     traffic,
-    waits,
-)
-from proxies.core.engine import (
-    HIDDEN,
-    CheckError,
-    Engine,
-    IterationTimes,
-    describe,
 )
 from proxies.core.grid import ProcessGrid
 from proxies.core.live import Live
 from proxies.core.plan import P2P, Collective, Compute, Plan, retype
+from proxies.core.report import HIDDEN
 from proxies.core.waiting import Waiter
+
+if TYPE_CHECKING:  # the engine (and its collectives) is imported by `run`, after the header
+    from proxies.core.engine import IterationTimes
 
 
 @dataclass(kw_only=True)
@@ -289,6 +285,8 @@ def op_rows(op) -> list[tuple[str, ...]]:
         return rows
     if isinstance(op, Collective):
         return [(op.kind, op.group, "", str(op.buf), f"{op.count:,}", f"{op.nbytes:,}", "")]
+    from proxies.core.engine import describe
+
     return [(describe(op), "", "", "", "", "", "")]
 
 
@@ -395,6 +393,9 @@ def run(job: Job, args, MPI, machine=None) -> int:
     rank = world.rank
     abort_on_exception(world, job.prog)
     live = Live.start(args, MPI, job.header)  # rank 0 prints the header now (core/live.py)
+    from proxies.core import waits
+    from proxies.core.engine import CheckError, Engine
+
     # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
     # kernel per rank as its values overflow.
     np.seterr(over="ignore", invalid="ignore")
