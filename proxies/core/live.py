@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from collections.abc import Sequence
 
 # A set-up phase (building the model, calibrating replay) is named in plain text only once
 # it has lasted this long: quick ones leave no line, a long one says what the run waits for.
@@ -58,6 +59,7 @@ class Live:
         self.out, self.MPI, self.real = out, MPI, compute == "real"
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._phase: str | None = None  # the phase its timer will name (plain text)
         self._bar = None  # rich Progress and its task, in rich mode once started
         self._task = None
         self._in_phase = False  # the rich bar names a phase
@@ -94,6 +96,7 @@ class Live:
             return
         self._end_phase(next_phase=True)
         if self.mode == "plain":
+            self._phase = what
             self._timer = threading.Timer(self.slow_s, self._say_phase, (what,))
             self._timer.daemon = True
             self._timer.start()
@@ -102,7 +105,7 @@ class Live:
             self._bar.refresh()
             self._in_phase = True
 
-    def iteration(self, it: int, seconds: float, loss, waiter, watchdog) -> None:
+    def iteration(self, it: int, seconds: float, loss: Sequence[float], waiter, watchdog) -> None:
         """Collective, on every rank of a real run after iteration `it` (0-based, warm-up
         first): this rank's `seconds` and `loss` ((sum, count)) reduced to rank 0, which
         shows them. Nothing under --quiet (no MPI given)."""
@@ -139,13 +142,16 @@ class Live:
 
     def _say_phase(self, what: str) -> None:
         with self._lock:
-            self.out.print(f"{what} ...")
-            self._flush()
+            if self._phase is what:  # not ended while this timer fired
+                self.out.print(f"{what} ...")
+                self._flush()
 
     def _end_phase(self, next_phase: bool = False) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        with self._lock:
+            self._phase = None
         if self._in_phase and not next_phase and self._bar is not None:
             self._bar.update(self._task, description="running")
             self._bar.refresh()
@@ -183,7 +189,9 @@ class Live:
         return self._bar
 
 
-def reduce_iteration(MPI, comm, waiter, seconds: float, loss: tuple[float, float] | None):
+def reduce_iteration(
+    MPI, comm, waiter, seconds: float, loss: tuple[float, float] | None
+) -> tuple[float | None, float | None]:
     """Collective over `comm`: (the slowest rank's `seconds`, the global mean loss or None)
     on rank 0, (None, None) elsewhere. `loss`: this rank's (sum, count) for real compute.
 
