@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,18 +27,15 @@ from proxies.core import (
     threads,
     trace,
     traffic,
-    waits,
-)
-from proxies.core.engine import (
-    HIDDEN,
-    CheckError,
-    Engine,
-    IterationTimes,
-    describe,
 )
 from proxies.core.grid import ProcessGrid
+from proxies.core.live import Live
 from proxies.core.plan import P2P, Collective, Compute, Plan, retype
+from proxies.core.report import HIDDEN
 from proxies.core.waiting import Waiter
+
+if TYPE_CHECKING:  # the engine (and its collectives) is imported by `run`, after the header
+    from proxies.core.engine import IterationTimes
 
 
 @dataclass(kw_only=True)
@@ -128,15 +125,16 @@ def dry_run(job: Job, args, machine=None) -> int:
     from proxies.core.simulate import PlanError, simulate
 
     faults.attach(job, args)  # checked against the job; in the header and config
+    console = report.console()
+    for line in job.header:  # now: planning a large world takes a while
+        console.print(line)
+    sys.stdout.flush()
     world = job.grid.size
     first = job.plan(0)
     dims = prediction.fold_dims(job, world, len(first.ops))
     rep_of = prediction.representatives(job.grid, dims) if dims else None
     reps = sorted(set(rep_of.tolist())) if dims else list(range(world))
     plans = {r: first if r == 0 else job.plan(r) for r in reps}
-    console = report.console()
-    for line in job.header:
-        console.print(line)
 
     print_plan_table(console, job, plans, rep_of if dims else None, dims)
     if job.dry_run_lines is not None:
@@ -293,6 +291,8 @@ def op_rows(op) -> list[tuple[str, ...]]:
         return rows
     if isinstance(op, Collective):
         return [(op.kind, op.group, "", str(op.buf), f"{op.count:,}", f"{op.nbytes:,}", "")]
+    from proxies.core.engine import describe
+
     return [(describe(op), "", "", "", "", "", "")]
 
 
@@ -398,17 +398,25 @@ def run(job: Job, args, MPI, machine=None) -> int:
     world = MPI.COMM_WORLD
     rank = world.rank
     abort_on_exception(world, job.prog)
+    live = Live.start(args, MPI, job.header)  # rank 0 prints the header now (core/live.py)
+    from proxies.core import waits
+    from proxies.core.engine import CheckError, Engine
+
     # A diverging run says so once, at its end (exits.DIVERGED), not in a RuntimeWarning per
     # kernel per rank as its values overflow.
     np.seterr(over="ignore", invalid="ignore")
     watchdog = Watchdog(world, job.prog, args.timeout)
     set_where(lambda: watchdog.what)  # for the line Ctrl-C prints
     watchdog.busy("building this rank's plan")
+    live.phase("building this rank's plan")
     plan = job.plan(rank)
     watchdog.beat("creating the communicators (a collective over every rank)")
+    live.phase("creating the communicators")
     comms = communicators(MPI, plan, job.group_names)
     watchdog.busy("building the model and its buffers")  # local work: no timer
+    live.phase("building the model and its buffers")
     runtime = job.runtime(rank, MPI, comms, args.compute)
+    live.phase("calibrating replay times (ranks take turns)", args.compute == "replay")
     replay = calibrate(MPI, job, plan, runtime, comms, watchdog) if args.compute == "replay" else {}
     fault = ""
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
@@ -421,6 +429,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         wait = "yield" if oversubscribed else "spin"
         node.Free()
     job.config["wait"] = wait
+    live.lines([run_line(world.size, mpi_describe(MPI), wait, args)])
     engine = Engine(
         MPI,
         plan,
@@ -452,6 +461,8 @@ def run(job: Job, args, MPI, machine=None) -> int:
         losses[it] = runtime.finish_iteration(it)
         if it >= args.warmup:
             timed.append(t)
+        live.iteration(it, t.total, losses[it], engine.waiter, watchdog)  # between timed
+    live.close()
     engine.close()
     job.config["progress"] = engine.progress_mode
     watchdog.beat("collecting results")
@@ -500,7 +511,7 @@ def run(job: Job, args, MPI, machine=None) -> int:
         result["replay_s"] = {f"{k[0]}/{k[1]}": v for k, v in sorted(replay.items())}
     report.print_report(
         result,
-        job.header + [run_line(result, args)],
+        [],  # the header and run line: printed before the first iteration (live.lines)
         quiet=args.quiet,
         table=job.report_categories(),
     )
@@ -550,13 +561,13 @@ def compare(job: Job, args, machine, result: dict, replays) -> None:
         report.write_json(args.json, result, prog=job.prog)
 
 
-def run_line(result: dict, args) -> str:
-    m = result["mpi"]
+def run_line(world_size: int, m: dict, wait: str, args) -> str:
+    """The header's last line: how the run runs (printed once MPI and waits are known)."""
     th = threads.decision
     blas = f"BLAS threads {th[0]}/rank ({th[3]})" if th else ""
     return (
-        f"ran on {result['world_size']} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
-        f"thread level {m['thread_level']} · waits {result['config']['wait']} · {blas} · "
+        f"ran on {world_size} ranks · {m['library']} · mpi4py {m['mpi4py']} · "
+        f"thread level {m['thread_level']} · waits {wait} · {blas} · "
         f"compute {args.compute} · wire {args.dtype} (gradients {args.grad_dtype})"
         + (" · --check on" if args.check else "")
     )
