@@ -555,7 +555,7 @@ def moe_text(S: Setup) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# dry run: what GPT-3 adds to the shared one (core/runner.dry_run)
+# dry run: what GPT-3 adds to the shared one (core/dryrun.py)
 
 
 def dry_run_hooks(S: Setup) -> dict:
