@@ -176,14 +176,15 @@ class _Sim:
                 pc += 1
                 continue
             self.pc[r], self.clock[r] = pc, t
-            if self.held[r] and type(op) is not Wait:
-                self._check_held(r, pc, op)
+            if type(op) is not Wait:
+                if getattr(op, "req", "") in self.reqs[r]:
+                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
+                if self.held[r]:
+                    self._check_held(r, pc, op)
             if type(op) is P2P:
                 if not op.req:
                     self._post_p2p(r, pc, op, t)
                     return
-                if op.req in self.reqs[r]:
-                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
                 self._hold(r, op)
                 in_flight = self.reqs[r][op.req] = [None, len(spans)]  # batch, its span
                 spans.append((t, t, op))  # end filled in when the batch ends
@@ -194,8 +195,6 @@ class _Sim:
                 if not op.req:
                     self._post_collective(r, pc, op, t)
                     return
-                if op.req in self.reqs[r]:
-                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
                 in_flight = self.reqs[r][op.req] = [None, len(spans)]  # collective, its span
                 spans.append((t, t, op))  # end filled in when the collective ends
                 in_flight[0] = self._post_collective(r, pc, op, t)
