@@ -6,12 +6,13 @@ and gradient groups, bad input, the 4096-rank dry run, and 4-rank model-compute 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 from launch import mpirun
 
-from proxies.core import prediction, trace
+from proxies.core import exits, prediction, trace
 from proxies.core.cli import UsageError
 from proxies.core.machine import load
 from proxies.core.plan import P2P, Collective, Compute, Wait
@@ -403,3 +404,33 @@ def test_4_ranks_ring_overlaps_checks_and_traces_its_exchange(tmp_path):
     for c in ("cp", "compute"):
         mean = sum(per.get(c, 0.0) for per in sums.values()) / 4
         assert mean == pytest.approx(sum(got["breakdown_s"][c]), rel=0.02, abs=1e-4)
+
+
+RING2 = ["2", "1", *TINY[:4], "--cp", "2", "--compute", "model", "--iters", "1", "--warmup", "0"]
+
+
+@pytest.mark.mpi
+def test_a_corrupted_ring_block_is_caught_after_its_wait():
+    r = mpirun(
+        2, "proxies.gpt3", *RING2, "--check", "--quiet", timeout=60, env=fault_env("corrupt:0")
+    )
+    assert r.returncode == exits.CHECK, r.stderr
+    assert "--check: rank 1 received cp_kv_in mb 0 from rank 0" in r.stderr
+    assert "non-blocking 'cp_ring:0:f0:0'" in r.stderr
+
+
+@pytest.mark.mpi
+def test_a_stalled_ring_neighbour_is_named_by_the_wait():
+    # rank 1 stalls at its first exchange; rank 0 has posted its own and waits for it
+    r = mpirun(2, "proxies.gpt3", *RING2, "--timeout", "2", timeout=20, env=fault_env("stall:1"))
+    assert r.returncode == exits.STALLED, r.stderr
+    assert re.search(
+        r"rank 0 made no progress for \d+ s, stuck in iteration 0 op \d+/\d+: wait cp_ring "
+        r"cp_ring:0:f0:0: send cp_kv_out mb 0 to 1 \(tag 0\), recv cp_kv_in mb 0 from 1 "
+        r"\(tag 0\) \(waiting on rank\(s\) 1\)",
+        r.stderr,
+    ), r.stderr
+
+
+def fault_env(spec: str) -> dict:
+    return {"PROXIES_FAULT": spec}
