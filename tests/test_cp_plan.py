@@ -434,3 +434,11 @@ def test_a_stalled_ring_neighbour_is_named_by_the_wait():
 
 def fault_env(spec: str) -> dict:
     return {"PROXIES_FAULT": spec}
+
+
+@pytest.mark.mpi
+def test_a_slow_link_leaves_the_ring_s_non_blocking_exchange_alone():
+    # --slow-link holds blocking messages only: a ring between the slow pair still ends
+    # (holding (F - 1) x a non-blocking batch's time in flight compounded without bound)
+    r = mpirun(2, "proxies.gpt3", *RING2, "--slow-link", "0-1:20", "--timeout", "20", timeout=60)
+    assert r.returncode == exits.OK, r.stderr

@@ -493,7 +493,7 @@ class Engine:
         t.seconds[coll.category] += t1 - t0
         t.inflight[coll.category].append((started, done if done is not None else t0))
         if isinstance(coll, P2P):  # its arrivals are traced before the wait that shows them
-            p2p_async.finish(self, coll, state, started, done if done is not None else t1, t)
+            p2p_async.finish(self, coll, state, done if done is not None else t1, t)
         if self.trace is not None:
             self.trace.wait(coll, started, done if done is not None else t0, t0, t1)
         if not isinstance(coll, P2P):

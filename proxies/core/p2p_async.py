@@ -5,8 +5,12 @@ communicator), Irecv of every receive (and of its checksum). The requests join t
 engine's pending table beside the non-blocking collectives', so the progress thread
 (waiting.py) tests them while the rank computes and notes when they completed; the
 engine's Wait blocks on them as on a collective's. `finish` runs after that Wait: --check
-compares each received block with its sender's checksum, a --slow-link peer's message is
-held, staged 16-bit copies go back.
+compares each received block with its sender's checksum, staged 16-bit copies go back.
+
+--slow-link does not hold a non-blocking batch's messages (nor does the predictor): its
+transfer is not measured apart from the time in flight, which includes the wait for the
+peer and the compute it ran under; holding (F - 1) x that fed each neighbour's lateness
+into the next hold and grew without bound.
 
 Time: posting is exposed time of the batch's category (like starting a collective); the
 Wait's blocked time is exposed; from the post until it was seen complete is
@@ -20,12 +24,9 @@ dtype with its sender's; a longer message than the receive is MPI's truncation e
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from proxies.core import check, wire
-from proxies.core.faults import DELAY
 from proxies.core.plan import P2P
 
 CAST = "dtype_cast"  # the engine's category of float32 <-> 16-bit wire conversions
@@ -82,11 +83,9 @@ def post(engine, op: P2P, t) -> None:
         engine.progress.resume()
 
 
-def finish(engine, op: P2P, state, posted: float, done: float, t) -> None:
-    """After the Wait: verify (--check), hold (--slow-link), widen, release the staging."""
+def finish(engine, op: P2P, state, done: float, t) -> None:
+    """After the Wait: verify (--check), widen, release the staging."""
     recvs, staged = state
-    faults = engine.faults
-    held = 0.0
     for m, buf, into, want in recvs:
         if engine.trace is not None:
             engine.trace.arrived(m, done)
@@ -100,16 +99,6 @@ def finish(engine, op: P2P, state, posted: float, done: float, t) -> None:
                     f"{m.peer} (tag {m.tag}, iteration {engine.iteration}, non-blocking "
                     f"{op.req!r}) with crc32 {got[0]:#010x}, the sender sent {want[0]:#010x}"
                 )
-        if faults is not None and faults.links:
-            # --slow-link F: the message arrives (F - 1) x its time in flight later than it
-            # did; the rank waits for what is left of that when it gets here
-            late = faults.hold(m.peer, done - posted) - (engine.MPI.Wtime() - done)
-            if late > 0:
-                s0 = time.perf_counter()
-                time.sleep(late)
-                held += time.perf_counter() - s0
         engine._widen(into, buf, t)
     for out in staged:
         engine.staging.release(out)
-    if held:
-        t.seconds[DELAY] += held

@@ -336,8 +336,9 @@ class _Predictor:
             state[1] = max(state[1], m.matched)
             state[2] = max(state[2], end)
             # --slow-link, as the engine does it: the receiver holds the message (F - 1) x
-            # its transfer time
-            f = self.slow_links.get((min(m.src, m.dst), max(m.src, m.dst))) if m.dst == r else 0
+            # its transfer time; not a non-blocking batch's (p2p_async.py)
+            pair = (min(m.src, m.dst), max(m.src, m.dst))
+            f = self.slow_links.get(pair) if m.dst == r and not op.req else 0
             state[3] = max(state[3], end + (f - 1) * (end - m.matched) if f else end)
             if state[0] == 0:
                 if not op.req:
