@@ -6,13 +6,16 @@ and gradient groups, bad input, the 4096-rank dry run, and 4-rank model-compute 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 from launch import mpirun
 
+from proxies.core import exits, prediction, trace
 from proxies.core.cli import UsageError
-from proxies.core.plan import P2P, Collective, Compute
+from proxies.core.machine import load
+from proxies.core.plan import P2P, Collective, Compute, Wait
 from proxies.core.simulate import simulate
 from proxies.gpt2 import proxy as gpt2
 from proxies.gpt3 import proxy as gpt3
@@ -295,3 +298,147 @@ def test_4_ranks_model_compute_checks_every_cp_message(tmp_path, front, args):
     cp = [c for c in got["breakdown_per_rank_s"] if c.startswith("cp")]
     assert cp and all(len(got["breakdown_per_rank_s"][c]) == 4 for c in cp)
     assert any(c.startswith("cp") for c in got["bytes"])
+    # the ring's exchange is non-blocking: exposed (cp) and hidden (cp_hidden) time
+    assert ("cp_hidden" in cp) == ("ring" in args)
+    assert_breakdown_adds_up(got)
+
+
+def assert_breakdown_adds_up(got: dict) -> None:
+    """Every rank's categories, hidden time left out, add up to the iteration."""
+    per_rank = got["breakdown_per_rank_s"]
+    iteration = sum(got["iter_time_s"]) / len(got["iter_time_s"])
+    for r in range(got["world_size"]):
+        booked = sum(v[r] for c, v in per_rank.items() if not c.endswith("_hidden"))
+        assert booked == pytest.approx(iteration, rel=1e-6), r
+
+
+# -- the ring's exchange overlapped: each step's P2P batch non-blocking ---------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_posts_each_exchange_before_the_block_it_overlaps(n):
+    j = cp_job(n, "ring", "zigzag")
+    plan = j.plan(0)
+    ops = plan.ops
+    ring = [i for i, op in enumerate(ops) if isinstance(op, P2P) and op.category == "cp"]
+    assert len(ring) == 2 * n - 1  # 1 layer: n - 1 forward, n backward exchanges
+    for i in ring:
+        post = ops[i]
+        assert post.req, "the ring's exchanges are non-blocking"
+        # the next op is the block computation it overlaps, then its Wait
+        assert isinstance(ops[i + 1], Compute) and "_core" in ops[i + 1].name
+        assert ops[i + 2] == Wait(post.req)
+    # forward: the last block (after the n - 1 exchanges) needs no exchange; backward: the
+    # last exchange (the dk,dv accumulator) runs under the rank's own diagonal block
+    first = ring[0]
+    names = [op.name for op in ops[first : first + 3 * (n - 1) + 1] if isinstance(op, Compute)]
+    assert names == [f"fwd_core{s}:0" for s in range(n)]
+    reqs = [ops[i].req for i in ring]
+    assert len(set(reqs)) == len(reqs)
+
+
+MACHINE = "configs/machines/10gbe.yaml"
+
+
+def predicted(split: str, tflops: str):
+    argv = ["1", "1", *TINY, "--cp", "4", "--cp-split", split, "--compute", "model"]
+    args = parser().parse_args([*argv, "--device-tflops", tflops, "--dry-run"])
+    pred, _ = prediction.run_prediction(make_job(args, 4), args, load(MACHINE), fold="never")
+    return pred
+
+
+def test_predicted_ring_hides_its_exchange_under_long_block_computations():
+    # zigzag: every block computation of a step is as long on every rank, so with compute
+    # >> transfer every exchange has ended by its Wait: nothing exposed, and the time in
+    # flight equals the whole exchange time of the compute-free prediction
+    fast, slow = predicted("zigzag", "1e6"), predicted("zigzag", "0.001")
+    for r in range(4):
+        assert fast.breakdown[r]["cp"] > 0
+        assert fast.breakdown[r]["cp_hidden"] == pytest.approx(0.0, abs=1e-9)
+        assert slow.breakdown[r]["cp"] == 0.0
+        assert slow.breakdown[r]["cp_hidden"] == pytest.approx(fast.breakdown[r]["cp"], rel=1e-6)
+    # contiguous: the later ranks' longer blocks keep their neighbours waiting (exposed)
+    skew = predicted("contiguous", "0.001")
+    assert skew.breakdown[0]["cp"] > 0
+    for pred in (fast, slow, skew):
+        for b in pred.breakdown.values():
+            booked = sum(v for c, v in b.items() if not c.endswith("_hidden"))
+            assert booked == pytest.approx(pred.time, rel=1e-9)
+
+
+@pytest.mark.mpi
+def test_4_ranks_ring_overlaps_checks_and_traces_its_exchange(tmp_path):
+    out, tr = tmp_path / "r.json", tmp_path / "t.json"
+    r = mpirun(
+        4,
+        "proxies.gpt3",
+        *("2", "1", "--model", "gpt3-tiny", "--seq-len", "64", "--cp", "4"),
+        *("--compute", "model", "--device-tflops", "0.01", "--check"),
+        *("--iters", "2", "--warmup", "1", "--quiet", "--json", str(out), "--trace", str(tr)),
+        *("--timeout", "60"),
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    got, doc = json.loads(out.read_text()), json.loads(tr.read_text())
+    # exposed and hidden ring time on every rank (hidden: from each post until it was seen
+    # complete, so positive whatever the speeds), the iteration's sum without the hidden
+    per_rank = got["breakdown_per_rank_s"]
+    assert all(v > 0 for v in per_rank["cp_hidden"]) and len(per_rank["cp"]) == 4
+    assert_breakdown_adds_up(got)
+    # the timeline: per rank and iteration 2 layers x 2 micro-batches x (3 + 4) exchanges,
+    # each a start and a wait slice and a span in flight, every message a paired flow
+    events = doc["traceEvents"]
+    for rank in range(4):
+        mine = [e for e in events if e.get("pid") == rank]
+        for name, ph, cat in (
+            ("start cp_ring", "X", "cp"),
+            ("wait cp_ring", "X", "cp"),
+            ("cp_ring in flight", "b", "cp_hidden"),
+        ):
+            assert sum(e["name"] == name and e["ph"] == ph for e in mine) == 2 * 28, name
+            assert all(e["cat"] == cat for e in mine if e["name"] == name)
+    flows = [e for e in events if e["ph"] in "sf"]
+    assert len(flows) == 2 * 4 * 28 * 2 and doc["otherData"]["flows_unpaired"] == 0
+    # self times per category: the run's breakdown
+    sums = trace.category_seconds(doc)
+    for c in ("cp", "compute"):
+        mean = sum(per.get(c, 0.0) for per in sums.values()) / 4
+        assert mean == pytest.approx(sum(got["breakdown_s"][c]), rel=0.02, abs=1e-4)
+
+
+RING2 = ["2", "1", *TINY[:4], "--cp", "2", "--compute", "model", "--iters", "1", "--warmup", "0"]
+
+
+@pytest.mark.mpi
+def test_a_corrupted_ring_block_is_caught_after_its_wait():
+    r = mpirun(
+        2, "proxies.gpt3", *RING2, "--check", "--quiet", timeout=60, env=fault_env("corrupt:0")
+    )
+    assert r.returncode == exits.CHECK, r.stderr
+    assert "--check: rank 1 received cp_kv_in mb 0 from rank 0" in r.stderr
+    assert "non-blocking 'cp_ring:0:f0:0'" in r.stderr
+
+
+@pytest.mark.mpi
+def test_a_stalled_ring_neighbour_is_named_by_the_wait():
+    # rank 1 stalls at its first exchange; rank 0 has posted its own and waits for it
+    r = mpirun(2, "proxies.gpt3", *RING2, "--timeout", "2", timeout=20, env=fault_env("stall:1"))
+    assert r.returncode == exits.STALLED, r.stderr
+    assert re.search(
+        r"rank 0 made no progress for \d+ s, stuck in iteration 0 op \d+/\d+: wait cp_ring "
+        r"cp_ring:0:f0:0: send cp_kv_out mb 0 to 1 \(tag 0\), recv cp_kv_in mb 0 from 1 "
+        r"\(tag 0\) \(waiting on rank\(s\) 1\)",
+        r.stderr,
+    ), r.stderr
+
+
+def fault_env(spec: str) -> dict:
+    return {"PROXIES_FAULT": spec}
+
+
+@pytest.mark.mpi
+def test_a_slow_link_leaves_the_ring_s_non_blocking_exchange_alone():
+    # --slow-link holds blocking messages only: a ring between the slow pair still ends
+    # (holding (F - 1) x a non-blocking batch's time in flight compounded without bound)
+    r = mpirun(2, "proxies.gpt3", *RING2, "--slow-link", "0-1:20", "--timeout", "20", timeout=60)
+    assert r.returncode == exits.OK, r.stderr

@@ -252,3 +252,128 @@ def test_thousand_ranks_pipeline_and_data_parallel():
     sim = simulate(plans, fwd_bwd)
     assert sim.time == (m + pp - 1) * 3
     assert len(sim.finish) == pp * dp
+
+
+# -- non-blocking point-to-point batches (P2P with req) ------------------------------------
+
+
+def ring_step(rank, n, req, buf="kv", count=4):
+    """One ring exchange: buf_out to rank + 1, buf_in from rank - 1, posted as `req`."""
+    return P2P(
+        "ring",
+        sends=(Msg((rank + 1) % n, 0, f"{buf}_out", 0, count),),
+        recvs=(Msg((rank - 1) % n, 0, f"{buf}_in", 0, count),),
+        req=req,
+    )
+
+
+def test_nonblocking_p2p_overlaps_the_compute_between_post_and_wait():
+    # 3 ranks; each posts its exchange, computes (rank 1 longer), then waits: the batch
+    # ends when both its messages have been matched, i.e. when the last neighbour posted.
+    def cost(rank, op):
+        if isinstance(op, Compute):
+            return {0: 1.0, 1: 3.0, 2: 1.0}[rank] if op.name == "forward" else 0.0
+        return 0.5 if isinstance(op, P2P) else 0.0  # the transfer
+
+    plans = [
+        Plan(r, (Compute("pre", 0), ring_step(r, 3, "s0"), Compute("forward", 0), Wait("s0")))
+        for r in range(3)
+    ]
+    sim = simulate(plans, cost)
+    # everybody posts at 0, so every batch ends at 0.5, under every rank's compute
+    assert sim.finish == {0: 1.0, 1: 3.0, 2: 1.0}
+    post, wait = plans[1].ops[1], plans[1].ops[3]
+    assert sim.spans[1][1] == (0.0, 0.5, post)  # the batch in flight
+    assert sim.spans[1][3] == (3.0, 3.0, wait)  # nothing left to wait for
+    # rank 1 posts late (after a long compute): its neighbours wait at their Wait
+    late = [
+        Plan(r, (Compute("forward", 0) if r == 1 else Compute("pre", 0), *plans[r].ops[1:]))
+        for r in range(3)
+    ]
+    sim = simulate(late, cost)
+    assert sim.spans[0][3] == (1.0, 3.5, late[0].ops[3])  # rank 1's send posted at 3
+    assert sim.spans[2][3] == (1.0, 3.5, late[2].ops[3])  # rank 1's recv posted at 3
+    assert sim.finish == {0: 3.5, 1: 6.0, 2: 3.5}
+
+
+def test_nonblocking_p2p_matches_blocking_messages_in_posting_order():
+    # rank 0 posts a non-blocking send, then a blocking one on the same channel; rank 1
+    # receives both blocking: the first receive pairs with the first post
+    a = P2P("a", sends=(Msg(1, 5, "x", 0, 4),), req="a")
+    b = P2P("b", sends=(Msg(1, 5, "y", 0, 8),))
+    plans = [Plan(0, (a, b, Wait("a"))), Plan(1, (recv(0, 5, 4), recv(0, 5, 8)))]
+    simulate(plans)
+    swapped = [Plan(0, (a, b, Wait("a"))), Plan(1, (recv(0, 5, 8), recv(0, 5, 4)))]
+    with pytest.raises(PlanError, match="message mismatch on rank 0 -> rank 1 tag 5"):
+        simulate(swapped)
+
+
+def test_nonblocking_p2p_deadlock_names_the_wait_and_the_peer():
+    plans = [
+        Plan(0, (ring_step(0, 2, "s"), Wait("s"))),
+        Plan(1, (Compute("forward", 0), recv(0, 7))),  # never posts the ring's messages
+    ]
+    with pytest.raises(PlanError) as info:
+        simulate(plans)
+    text = str(info.value)
+    assert "rank 0 at op 1 Wait('s'): Wait('s') for ring: send to rank 1 tag 0" in text
+    assert "recv from rank 1 tag 0 has no matching send" in text
+
+
+@pytest.mark.parametrize(
+    "ops,words",
+    [
+        # a request posted twice, waited twice, never waited
+        (lambda s: (s("r"), s("r"), Wait("r"), Wait("r")), "request 'r' is already in flight"),
+        (lambda s: (s("r"), Wait("r"), Wait("r")), r"Wait\('r'\) has no op in flight"),
+        (lambda s: (s("r"),), "non-blocking ring req 'r' is never waited"),
+        # its receive buffer read (sent from) or written before the wait
+        (
+            lambda s: (s("r"), P2P("x", sends=(Msg(1, 3, "kv_in", 0, 4),)), Wait("r")),
+            "op 1 x uses buffer kv_in mb 0 chunk 0 while non-blocking 'r' receives into it",
+        ),
+        (
+            lambda s: (s("r"), Collective("allreduce", "g", "kv_in", 4, mb=0), Wait("r")),
+            r"allreduce\(g\) uses buffer kv_in .* 'r' receives into it",
+        ),
+        # its send buffer written before the wait; a second exchange before the first's wait
+        (
+            lambda s: (s("r"), P2P("x", recvs=(Msg(1, 3, "kv_out", 0, 4),)), Wait("r")),
+            "uses buffer kv_out mb 0 chunk 0 while non-blocking 'r' sends from it",
+        ),
+        (
+            lambda s: (s("r"), s("q"), Wait("r"), Wait("q")),
+            "ring req 'q' uses buffer kv_in mb 0 chunk 0 while non-blocking 'r' receives",
+        ),
+        # one batch receiving into the buffer it sends from
+        (
+            lambda s: (
+                P2P("self", sends=(Msg(1, 0, "b", 0, 4),), recvs=(Msg(1, 0, "b", 0, 4),), req="r"),
+                Wait("r"),
+            ),
+            "non-blocking self 'r' uses buffer b mb 0 chunk 0 twice",
+        ),
+    ],
+)
+def test_nonblocking_p2p_errors(ops, words):
+    plans = [Plan(r, ops(lambda req, r=r: ring_step(r, 2, req)), {"g": (0, 1)}) for r in range(2)]
+    with pytest.raises(PlanError, match=words):
+        simulate(plans)
+
+
+def test_nonblocking_p2p_buffers_are_free_after_the_wait():
+    # the next exchange reuses both buffers once the first is waited; sending from a
+    # buffer twice at once is allowed (both only read it)
+    ops = lambda r: (  # noqa: E731
+        ring_step(r, 2, "a"),
+        Wait("a"),
+        ring_step(r, 2, "b"),
+        P2P(
+            "again",
+            sends=(Msg((r + 1) % 2, 9, "kv_out", 0, 4),),
+            recvs=(Msg((r + 1) % 2, 9, "z", 0, 4),),
+        ),
+        Wait("b"),
+        Collective("allreduce", "g", "kv_in", 4, mb=0),
+    )
+    simulate([Plan(r, ops(r), {"g": (0, 1)}) for r in range(2)])

@@ -17,7 +17,8 @@ Where time goes, per iteration and rank:
 
 Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
 split from the transfer; sends are Isend and complete with their batch, so a batch
-(Megatron's batch_isend_irecv) can never deadlock against its mirror image.
+(Megatron's batch_isend_irecv) can never deadlock against its mirror image. A batch with
+`req` is non-blocking (Isend and Irecv posted, completed at its Wait): p2p_async.py.
 
 How a rank waits (spinning in MPI or test-and-sleep) and the progress thread of non-blocking
 collectives are in waiting.py; what the waits are attributed to after the run, in waits.py.
@@ -36,17 +37,13 @@ from typing import Protocol
 
 import numpy as np
 
-from proxies.core import check, collectives, wire
+from proxies.core import check, collectives, p2p_async, wire
 from proxies.core.faults import DELAY
+from proxies.core.p2p_async import CAST, MAX_COUNT  # noqa: F401  (engine.MAX_COUNT)
+from proxies.core.p2p_async import pieces as _pieces
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN
 from proxies.core.waiting import Progress, Waiter
-
-CAST = "dtype_cast"  # category of float32 <-> 16-bit wire conversions
-
-# Largest count per MPI call: MPI counts are C ints (2^31 - 1), so longer messages go as
-# consecutive pieces on the same tag (MPI keeps their order).
-MAX_COUNT = 1 << 30
 
 
 class CheckError(RuntimeError):
@@ -71,7 +68,7 @@ class IterationTimes:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # Per blocking collective, in order: (group, category, seconds); split after the run.
     collectives: list[tuple[str, str, float]] = field(default_factory=list)
-    # Per category, (start, end) of each non-blocking collective's time under other work.
+    # Per category, (start, end) of each non-blocking op's time under other work.
     inflight: dict[str, list[tuple[float, float]]] = field(
         default_factory=lambda: defaultdict(list)
     )
@@ -96,7 +93,7 @@ def describe(op, rank: int | None = None) -> str:
     if isinstance(op, P2P):
         parts = [f"send {m.buf} mb {m.mb} to {m.peer} (tag {m.tag})" for m in op.sends]
         parts += [f"recv {m.buf} mb {m.mb} from {m.peer} (tag {m.tag})" for m in op.recvs]
-        return f"{op.name}: " + ", ".join(parts)
+        return f"{op.name}" + (f" {op.req}" if op.req else "") + ": " + ", ".join(parts)
     if isinstance(op, Collective):
         return f"{op.kind} of {op.count} x {op.dtype} over group {op.group} ({op.buf})"
     if isinstance(op, Wait):
@@ -106,23 +103,22 @@ def describe(op, rank: int | None = None) -> str:
 
 def _who(op, plan: Plan, reqs: dict) -> tuple[str, tuple[int, ...]]:
     """An op's description naming whom it waits on, and those world ranks (`reqs`: request
-    name -> the group of the collective that started it)."""
+    name -> the op that started it, a collective or a P2P batch)."""
+    if isinstance(op, Wait) and isinstance(reqs.get(op.req), P2P):
+        started = reqs[op.req]
+        return f"wait {describe(started)}", tuple(
+            sorted({m.peer for m in started.sends + started.recvs})
+        )
     if isinstance(op, P2P):
         return describe(op), tuple(sorted({m.peer for m in op.sends + op.recvs}))
     group = op.group if isinstance(op, Collective) else None
     if isinstance(op, Wait):
-        group = reqs.get(op.req)
+        group = getattr(reqs.get(op.req), "group", None)
     members = tuple(plan.groups.get(group, ())) if group else ()
     peers = tuple(r for r in members if r != plan.rank)
     if not members:
         return describe(op), ()
     return f"{describe(op)} with ranks {','.join(map(str, members))}", peers
-
-
-def _pieces(buf: np.ndarray):
-    flat = buf.reshape(-1)
-    for lo in range(0, max(flat.size, 1), MAX_COUNT):
-        yield flat[lo : lo + MAX_COUNT]
 
 
 class Engine:
@@ -267,7 +263,7 @@ class Engine:
         not stuck: no timer), anything else waits on the peers it names."""
         if self._described is None:
             ops = self.plan.ops
-            reqs = {c.req: c.group for c in ops if isinstance(c, Collective) and c.req}
+            reqs = {c.req: c for c in ops if isinstance(c, (Collective, P2P)) and c.req}
             self._described = [_who(op, self.plan, reqs) for op in ops]
         what, peers = self._described[i]
         what = f"iteration {iteration} op {i + 1}/{n}: {what}"
@@ -435,12 +431,17 @@ class Engine:
             self.trace.collective(op, t0, t1)
         self._finish(op, buf, out, state, t)
 
-    def _post(self, op: Collective, t: IterationTimes) -> None:
-        """Start a non-blocking collective; it completes at Wait(op.req)."""
-        if op.req in self.pending:
-            raise CheckError(f"request {op.req!r} started twice")
+    def new_request(self, req: str) -> None:
+        """Before a non-blocking op starts `req`: refuse a request in flight, start the
+        progress thread."""
+        if req in self.pending:
+            raise CheckError(f"request {req!r} started twice")
         if self.progress_mode == "thread" and self.progress is None:
             self.progress = Progress(self.MPI, self.pending)
+
+    def _post(self, op: Collective, t: IterationTimes) -> None:
+        """Start a non-blocking collective; it completes at Wait(op.req)."""
+        self.new_request(op.req)
         with self._lock():
             t0 = self.MPI.Wtime()
             cast0 = t.seconds.get(CAST, 0.0)
@@ -491,9 +492,12 @@ class Engine:
         # (or until this wait began), while this rank did other work.
         t.seconds[coll.category] += t1 - t0
         t.inflight[coll.category].append((started, done if done is not None else t0))
+        if isinstance(coll, P2P):  # its arrivals are traced before the wait that shows them
+            p2p_async.finish(self, coll, state, done if done is not None else t1, t)
         if self.trace is not None:
             self.trace.wait(coll, started, done if done is not None else t0, t0, t1)
-        self._finish(coll, buf, out, state, t)
+        if not isinstance(coll, P2P):
+            self._finish(coll, buf, out, state, t)
 
     # -- --check ---------------------------------------------------------------------------
     def _seed(self, key) -> int:
@@ -538,7 +542,10 @@ class Engine:
                 if self.trace is not None:
                     self.trace.compute(op, t0, t1)
             elif isinstance(op, P2P):
-                self._p2p(op, t)
+                if op.req:
+                    p2p_async.post(self, op, t)
+                else:
+                    self._p2p(op, t)
             elif isinstance(op, Collective):
                 (self._post if op.req else self._collective)(op, t)
             elif isinstance(op, Wait):

@@ -13,8 +13,10 @@ Conventions
 - A P2P op is a batch: its sends and receives are posted together and it completes when all
   of them have (Megatron's batch_isend_irecv). Two neighbours that exchange in the same step
   must put both directions in one batch, or synchronous sends deadlock.
-- A Collective with `req` set is non-blocking: it starts there and completes at the Wait
-  with the same `req`. Without `req` it blocks.
+- A Collective or a P2P batch with `req` set is non-blocking: it starts there (a batch posts
+  its Isends and Irecvs) and completes at the Wait with the same `req`; until then its
+  buffers are the transfer's (simulate.py refuses a plan that touches them). Without `req`
+  it blocks.
 - `category` names the breakdown bucket the op's time and bytes go to ("pp", "dp_allreduce").
 """
 
@@ -106,6 +108,7 @@ class P2P:
     sends: tuple[Msg, ...] = ()
     recvs: tuple[Msg, ...] = ()
     category: str = "pp"
+    req: str = ""  # non-empty: non-blocking, posted here and completed by Wait(req)
 
     @property
     def nbytes_sent(self) -> int:
@@ -148,7 +151,7 @@ class Collective:
 
 @dataclass(frozen=True)
 class Wait:
-    """Complete the non-blocking op started with the same `req`."""
+    """Complete the non-blocking op (collective or P2P batch) started with the same `req`."""
 
     req: str
     category: str = ""

@@ -27,8 +27,10 @@ Breakdown per rank, adding up to the iteration (the slowest rank's finish), as t
 books a measured run: compute; a P2P batch's time before its last partner posted is idle,
 the rest its category; a blocking collective's category is the shortest time any member
 spent in it (the last to arrive waits least), the rest of each member's time idle; a
-non-blocking collective's exposed time is its Wait, and the time it ran under other work is
-<category>_hidden (not part of the sum); after its last op a rank is idle until the end.
+non-blocking collective's or P2P batch's exposed time is its Wait, and the time it ran under
+other work is <category>_hidden (not part of the sum): a non-blocking batch's messages are
+posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
+after its last op a rank is idle until the end.
 """
 
 from __future__ import annotations
@@ -262,8 +264,15 @@ class _Predictor:
                 self.at(t, lambda: self._advance(r))
                 return
             if type(op) is P2P:
-                self._p2p(r, op, t)
-                return
+                if not op.req:
+                    self._p2p(r, op, t, lambda end: self._resume(r, end))
+                    return
+                if op.req in self.reqs[r]:
+                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
+                self.reqs[r][op.req] = [op, t, None, None]  # op, posted, end, wait began
+                self._p2p(r, op, t, lambda end, req=op.req: self._req_done(r, req, end))
+                pc += 1
+                continue
             if type(op) is Collective:
                 if not op.req:
                     self._join(r, op, t, lambda end: self._resume(r, end))
@@ -311,10 +320,13 @@ class _Predictor:
 
     # --- point-to-point -----------------------------------------------------------------
 
-    def _p2p(self, r: int, op: P2P, t: float) -> None:
+    def _p2p(self, r: int, op: P2P, t: float, then: Callable[[float], None]) -> None:
+        """Post a batch's messages at t; `then(end)` once the last has arrived (and been
+        held). A blocking batch books its idle and category here, a non-blocking one at its
+        Wait (_waited)."""
         left = len(op.sends) + len(op.recvs)
         if left == 0:
-            self._resume(r, t)
+            then(t)
             return
         # messages left, when the last was matched, the last arrival, the last with holds
         state = [left, t, t, t]
@@ -324,18 +336,20 @@ class _Predictor:
             state[1] = max(state[1], m.matched)
             state[2] = max(state[2], end)
             # --slow-link, as the engine does it: the receiver holds the message (F - 1) x
-            # its transfer time
-            f = self.slow_links.get((min(m.src, m.dst), max(m.src, m.dst))) if m.dst == r else 0
+            # its transfer time; not a non-blocking batch's (p2p_async.py)
+            pair = (min(m.src, m.dst), max(m.src, m.dst))
+            f = self.slow_links.get(pair) if m.dst == r and not op.req else 0
             state[3] = max(state[3], end + (f - 1) * (end - m.matched) if f else end)
             if state[0] == 0:
-                book = self.book[r]
-                book["idle"] += state[1] - t  # waiting for the peer to post
-                book[op.category] += state[2] - state[1]
-                if state[3] > state[2]:
-                    book[DELAY] += state[3] - state[2]
-                if self.keep_spans:
-                    self.spans[r].append((t, state[3], op, state[1] - t))
-                self._resume(r, state[3])
+                if not op.req:
+                    book = self.book[r]
+                    book["idle"] += state[1] - t  # waiting for the peer to post
+                    book[op.category] += state[2] - state[1]
+                    if state[3] > state[2]:
+                        book[DELAY] += state[3] - state[2]
+                    if self.keep_spans:
+                        self.spans[r].append((t, state[3], op, state[1] - t))
+                then(state[3])
 
         for m in op.sends:
             self._post(("p", m.tag), r, m.peer, m.nbytes, True, t, one_done, None)

@@ -257,7 +257,8 @@ def validation_plans(plans: Sequence[Plan]) -> tuple[list[Plan], set[str]]:
             o
             for o in p.ops
             if not (isinstance(o, Collective) and o.group not in keep)
-            and not (isinstance(o, Wait) and group_of[o.req] not in keep)
+            # a P2P batch's Wait (no group) stays with its batch
+            and not (isinstance(o, Wait) and o.req in group_of and group_of[o.req] not in keep)
         )
         out.append(Plan(p.rank, ops, {n: p.groups[n] for n in keep}, p.coords))
     return out, cut

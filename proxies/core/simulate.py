@@ -8,7 +8,12 @@ Semantics, the worst case MPI allows (every send is synchronous, i.e. rendezvous
   and its rank is blocked until then;
 - the n-th Collective a rank posts on group g pairs with the n-th of every other member of g;
   it ends cost(rank, op) after the last member posts. Blocking collectives block their rank
-  until then; one with `req` is only posted, and the rank blocks at Wait(req) instead.
+  until then; one with `req` is only posted, and the rank blocks at Wait(req) instead;
+- a P2P batch with `req` is posted likewise without blocking its rank, which blocks at
+  Wait(req) until the batch has ended. Until that Wait no other op of the rank may use the
+  batch's buffers: none may write one it receives into or read it, none may write one it
+  sends from (what MPI forbids for a pending Isend/Irecv); the same buffer is (name,
+  micro-batch, chunk), a collective's chunk 0 (as the engine resolves them).
 
 Times then follow from dependencies alone, so ranks are run in any order (each until it
 blocks, then the next runnable one): O(ops + messages) in all, no global time steps.
@@ -55,15 +60,17 @@ def _describe(msg: Msg) -> str:
 
 
 class _Batch:
-    """A posted P2P batch: `left` messages still unmatched, `ready` the latest match time."""
+    """A posted P2P batch: `left` messages still unmatched, `ready` the latest match time;
+    `end` once it has ended (non-blocking batches, which their rank does not wait in)."""
 
-    __slots__ = ("rank", "index", "op", "start", "left", "ready", "open")
+    __slots__ = ("rank", "index", "op", "start", "left", "ready", "open", "end")
 
     def __init__(self, rank: int, index: int, op: P2P, start: float) -> None:
         self.rank, self.index, self.op, self.start = rank, index, op, start
         self.left = len(op.sends) + len(op.recvs)
         self.ready = start
         self.open = [True] * self.left  # per message: sends first, then recvs
+        self.end: float | None = None
 
 
 class _Coll:
@@ -91,8 +98,11 @@ class _Sim:
         self.spans: dict[int, list] = {r: [] for r in self.plans}
         self.labels: dict[int, list[str]] = {r: [] for r in self.plans}
         self.blocked: dict[int, object] = {}  # rank -> _Batch, _Coll or the awaited req
-        # rank -> req -> [its _Coll, index of its span]
+        # rank -> req -> [its _Coll or _Batch, index of its span]
         self.reqs: dict[int, dict[str, list]] = {r: {} for r in self.plans}
+        # rank -> buffer key -> (req, True when the batch receives into it): the buffers of
+        # its non-blocking P2P batches in flight
+        self.held: dict[int, dict[tuple, tuple[str, bool]]] = {r: {} for r in self.plans}
         self.sends: dict[tuple[int, int, int], deque] = {}  # channel -> unmatched sends
         self.recvs: dict[tuple[int, int, int], deque] = {}  # channel -> unmatched recvs
         self.colls: dict[tuple[int, int], _Coll] = {}  # (group id, n) -> instance
@@ -147,9 +157,9 @@ class _Sim:
         if unfinished:
             raise PlanError(self._deadlock_report(unfinished))
         for r, reqs in self.reqs.items():
-            for req, (_, i) in reqs.items():
+            for _, i in reqs.values():  # a rank's i-th span is its op i
                 op = self.plans[r].ops[i]
-                raise PlanError(f"rank {r} op {i}: non-blocking {op.kind} {req!r} is never waited")
+                raise PlanError(f"rank {r} op {i}: non-blocking {op_name(op)} is never waited")
 
     def _advance(self, r: int) -> None:
         """Run rank r until it blocks or finishes."""
@@ -166,15 +176,25 @@ class _Sim:
                 pc += 1
                 continue
             self.pc[r], self.clock[r] = pc, t
+            if type(op) is not Wait:
+                if getattr(op, "req", "") in self.reqs[r]:
+                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
+                if self.held[r]:
+                    self._check_held(r, pc, op)
             if type(op) is P2P:
-                self._post_p2p(r, pc, op, t)
-                return
+                if not op.req:
+                    self._post_p2p(r, pc, op, t)
+                    return
+                self._hold(r, op)
+                in_flight = self.reqs[r][op.req] = [None, len(spans)]  # batch, its span
+                spans.append((t, t, op))  # end filled in when the batch ends
+                in_flight[0] = self._post_p2p(r, pc, op, t)
+                pc += 1
+                continue
             if type(op) is Collective:
                 if not op.req:
                     self._post_collective(r, pc, op, t)
                     return
-                if op.req in self.reqs[r]:
-                    raise PlanError(f"rank {r} op {pc}: request {op.req!r} is already in flight")
                 in_flight = self.reqs[r][op.req] = [None, len(spans)]  # collective, its span
                 spans.append((t, t, op))  # end filled in when the collective ends
                 in_flight[0] = self._post_collective(r, pc, op, t)
@@ -183,12 +203,14 @@ class _Sim:
             if type(op) is Wait:
                 if op.req not in self.reqs[r]:
                     raise PlanError(f"rank {r} op {pc}: Wait({op.req!r}) has no op in flight")
-                coll, _ = self.reqs[r][op.req]
-                if coll.ends is None:
+                started, _ = self.reqs[r][op.req]
+                done = started.end if isinstance(started, _Batch) else started.ends
+                if done is None:
                     self.blocked[r] = op.req
                     return
                 del self.reqs[r][op.req]
-                end = max(t, coll.ends[r])
+                self._release(r, op.req)
+                end = max(t, done if isinstance(started, _Batch) else done[r])
                 spans.append((t, end, op))
                 t = end
                 pc += 1
@@ -206,8 +228,47 @@ class _Sim:
 
     # --- point-to-point -----------------------------------------------------------------
 
-    def _post_p2p(self, r: int, index: int, op: P2P, t: float) -> None:
-        batch = self.blocked[r] = _Batch(r, index, op, t)
+    def _hold(self, r: int, op: P2P) -> None:
+        """Note the buffers of a non-blocking batch until its Wait."""
+        held = self.held[r]
+        for m in op.sends:
+            held.setdefault((str(m.buf), m.mb, m.chunk), (op.req, False))
+        for m in op.recvs:
+            key = (str(m.buf), m.mb, m.chunk)
+            if key in held:  # a batch sending and receiving in one buffer
+                raise PlanError(
+                    f"rank {r}: non-blocking {op.name} {op.req!r} uses buffer {m.buf} mb {m.mb} "
+                    f"chunk {m.chunk} twice, receiving into it"
+                )
+            held[key] = (op.req, True)
+
+    def _release(self, r: int, req: str) -> None:
+        held = self.held[r]
+        for key in [k for k, (q, _) in held.items() if q == req]:
+            del held[key]
+
+    def _check_held(self, r: int, index: int, op: Op) -> None:
+        """Refuse an op that touches a buffer of a non-blocking batch in flight."""
+        if isinstance(op, P2P):
+            uses = [((str(m.buf), m.mb, m.chunk), False) for m in op.sends]
+            uses += [((str(m.buf), m.mb, m.chunk), True) for m in op.recvs]
+        elif isinstance(op, Collective):  # collectives write their buffer in place
+            uses = [((str(op.buf), op.mb, 0), True)]
+        else:
+            return
+        for key, writes in uses:
+            owner = self.held[r].get(key)
+            if owner is not None and (writes or owner[1]):
+                raise PlanError(
+                    f"rank {r} op {index} {op_name(op)} uses buffer {key[0]} mb {key[1]} "
+                    f"chunk {key[2]} while non-blocking {owner[0]!r} "
+                    f"{'receives into' if owner[1] else 'sends from'} it (before its Wait)"
+                )
+
+    def _post_p2p(self, r: int, index: int, op: P2P, t: float) -> _Batch:
+        batch = _Batch(r, index, op, t)
+        if not op.req:
+            self.blocked[r] = batch
         nsend, plans, sends, recvs = len(op.sends), self.plans, self.sends, self.recvs
         for pos, m in enumerate(op.sends + op.recvs):
             if m.peer not in plans:
@@ -233,9 +294,25 @@ class _Sim:
             batch.ready = max(batch.ready, when)
             other.ready = max(other.ready, when)
             if other.left == 0 and other is not batch:
-                self._resume(other.rank, other.ready + self.cost(other.rank, other.op), other.op)
+                self._batch_done(other)
         if batch.left == 0:
-            self._resume(r, batch.ready + self.cost(r, op), op)
+            self._batch_done(batch)
+        return batch
+
+    def _batch_done(self, batch: _Batch) -> None:
+        """Every message of the batch is matched: it ends cost(rank, op) after the last."""
+        q, op = batch.rank, batch.op
+        end = batch.ready + self.cost(q, op)
+        if not op.req:
+            self._resume(q, end, op)
+            return
+        batch.end = end
+        span = self.reqs[q][op.req][1]
+        self.spans[q][span] = (self.spans[q][span][0], end, op)
+        if self.blocked.get(q) == op.req:  # q is already waiting for it
+            del self.reqs[q][op.req]
+            self._release(q, op.req)
+            self._resume(q, max(self.clock[q], end), self.plans[q].ops[self.pc[q]])
 
     def _mismatch(self, a: _Batch, am: Msg, b: _Batch, bm: Msg, sending: bool) -> None:
         (s, sm), (d, dm) = ((a, am), (b, bm)) if sending else ((b, bm), (a, am))
@@ -282,6 +359,7 @@ class _Sim:
             self.spans[q][span] = (self.spans[q][span][0], end, op)
             if self.blocked.get(q) == op.req:  # q is already waiting for it
                 del self.reqs[q][op.req]
+                self._release(q, op.req)
                 self._resume(q, max(self.clock[q], end), self.plans[q].ops[self.pc[q]])
 
     # --- diagnosis ----------------------------------------------------------------------
@@ -305,15 +383,20 @@ class _Sim:
     def _waits_for(self, r: int) -> str:
         state = self.blocked.get(r)
         if isinstance(state, _Batch):
-            op, parts = state.op, []
-            for pos, m in enumerate(op.sends + op.recvs):
-                if state.open[pos]:
-                    parts.append(self._unmatched(r, m, sending=pos < len(op.sends)))
-            return "; ".join(parts)
+            return self._open(r, state)
         if isinstance(state, str):  # Wait(req)
-            coll, _ = self.reqs[r][state]
-            return f"Wait({state!r}) for {self._missing(coll)}"
+            started, _ = self.reqs[r][state]
+            if isinstance(started, _Batch):
+                return f"Wait({state!r}) for {started.op.name}: {self._open(r, started)}"
+            return f"Wait({state!r}) for {self._missing(started)}"
         return self._missing(state)
+
+    def _open(self, r: int, batch: _Batch) -> str:
+        op, parts = batch.op, []
+        for pos, m in enumerate(op.sends + op.recvs):
+            if batch.open[pos]:
+                parts.append(self._unmatched(r, m, sending=pos < len(op.sends)))
+        return "; ".join(parts)
 
     def _unmatched(self, r: int, m: Msg, sending: bool) -> str:
         what = "send to" if sending else "recv from"
@@ -350,7 +433,9 @@ class _Sim:
 
 def op_name(op: Op) -> str:
     """One op in a diagnosis: "forward", "allreduce(dp) req 'dp0'", "Wait('dp0')" ..."""
-    if isinstance(op, (Compute, P2P)):
+    if isinstance(op, P2P):
+        return op.name + (f" req {op.req!r}" if op.req else "")
+    if isinstance(op, Compute):
         return op.name
     if isinstance(op, Collective):
         return f"{op.kind}({op.group})" + (f" req {op.req!r}" if op.req else "")
@@ -363,7 +448,8 @@ def simulate(plans: Sequence[Plan], cost: Callable[[int, Op], float] | None = No
     """Run every rank's plan; raise PlanError with a diagnosis if they cannot run.
 
     cost(rank, op) is the duration of a Compute, a P2P batch (after its last message is
-    matched) or a Collective (after its last member posts); default 0 for everything.
+    matched, blocking or not) or a Collective (after its last member posts); default 0
+    for everything.
     """
     sim = _Sim(plans, cost or _zero)
     sim.run()

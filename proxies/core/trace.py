@@ -195,19 +195,7 @@ class Track:
     def p2p(self, op: P2P, t0: float, t1: float, idles: Iterable, **args) -> None:
         """A point-to-point batch [t0, t1] on its category's thread, its waits nested."""
         thread = p2p_thread(op.category)
-        self.slice(
-            thread,
-            op.name,
-            op.category,
-            t0,
-            t1,
-            sends=[_msg_text(m, "to") for m in op.sends],
-            recvs=[_msg_text(m, "from") for m in op.recvs],
-            bytes_sent=op.nbytes_sent,
-            bytes_recv=op.nbytes_recv,
-            mb=sorted({m.mb for m in op.sends + op.recvs}),
-            **args,
-        )
+        self.slice(thread, op.name, op.category, t0, t1, **p2p_args(op), **args)
         for w0, w1, peer in idles:
             self.slice(thread, f"waiting for rank {peer}", "idle", w0, w1, peer=peer)
 
@@ -218,6 +206,24 @@ class Track:
         self.slice(thread, f"{op.kind} {op.buf}", op.category, t0, t1, **coll_args(op, members))
         if wait > 0:
             self.slice(thread, "waiting for the last member", "idle", t0, t0 + wait, group=op.group)
+
+
+def p2p_args(op: P2P) -> dict:
+    return {
+        "sends": [_msg_text(m, "to") for m in op.sends],
+        "recvs": [_msg_text(m, "from") for m in op.recvs],
+        "bytes_sent": op.nbytes_sent,
+        "bytes_recv": op.nbytes_recv,
+        "mb": sorted({m.mb for m in op.sends + op.recvs}),
+    }
+
+
+def nonblocking(op: Collective | P2P, groups: dict) -> tuple[str, str, dict]:
+    """Thread, name and args of a non-blocking op's slices (start, test, wait) and of its
+    span in flight: a collective's on its group's thread, a P2P batch's on its category's."""
+    if isinstance(op, P2P):
+        return p2p_thread(op.category), op.name, p2p_args(op)
+    return f"group {op.group}", f"{op.kind} {op.buf}", coll_args(op, len(groups[op.group]))
 
 
 def coll_args(op: Collective, members: int) -> dict:
@@ -337,13 +343,13 @@ class Recorder:
     def collective(self, op: Collective, t0: float, t1: float) -> None:
         self.records.append(("k", op, t0, t1))
 
-    def post(self, op: Collective, t0: float, t1: float) -> None:
+    def post(self, op: Collective | P2P, t0: float, t1: float) -> None:
         self.records.append(("s", op, t0, t1))
 
-    def test(self, op: Collective, t0: float, t1: float) -> None:
+    def test(self, op: Collective | P2P, t0: float, t1: float) -> None:
         self.records.append(("t", op, t0, t1))
 
-    def wait(self, op: Collective, started: float, done: float, t0: float, t1: float) -> None:
+    def wait(self, op: Collective | P2P, started: float, done: float, t0: float, t1: float) -> None:
         self.records.append(("w", op, started, done, t0, t1))
 
 
@@ -502,33 +508,27 @@ class Tracer:
                 tr.collective(op, us(t0), us(t1), wait * 1e6, len(plan.groups[op.group]))
             elif kind in ("s", "t"):
                 op, t0, t1 = rec[1:]
-                name = f"{'start' if kind == 's' else 'test'} {op.kind} {op.buf}"
-                tr.slice(
-                    f"group {op.group}",
-                    name,
-                    op.category,
-                    us(t0),
-                    us(t1),
-                    **coll_args(op, len(plan.groups[op.group])),
-                )
+                thread, name, args = nonblocking(op, plan.groups)
+                name = f"{'start' if kind == 's' else 'test'} {name}"
+                tr.slice(thread, name, op.category, us(t0), us(t1), **args)
+                if kind == "s" and isinstance(op, P2P):  # its messages leave when posted
+                    for m in op.sends:
+                        k = counts[it, rank, m.peer, m.tag]
+                        counts[it, rank, m.peer, m.tag] += 1
+                        tr.flow((it, rank, m.peer, m.tag, k), "s", thread, us((t0 + t1) / 2))
             elif kind == "w":
                 op, started, done, t0, t1 = rec[1:]
-                args = coll_args(op, len(plan.groups[op.group]))
+                thread, name, args = nonblocking(op, plan.groups)
                 tr.span(
-                    f"{op.kind} {op.buf} in flight",
-                    op.category + report.HIDDEN,
-                    us(started),
-                    us(done),
-                    **args,
+                    f"{name} in flight", op.category + report.HIDDEN, us(started), us(done), **args
                 )
-                tr.slice(
-                    f"group {op.group}",
-                    f"wait {op.kind} {op.buf}",
-                    op.category,
-                    us(t0),
-                    us(t1),
-                    **args,
-                )
+                tr.slice(thread, f"wait {name}", op.category, us(t0), us(t1), **args)
+                # a P2P batch's arrivals, drawn at its wait (inside a slice of the thread)
+                for _, m, t in (r for r in pending if r[0] == "r"):
+                    k = counts[it, m.peer, rank, m.tag]
+                    counts[it, m.peer, rank, m.tag] += 1
+                    tr.flow((it, m.peer, rank, m.tag, k), "f", thread, us(min(max(t, t0), t1)))
+                pending.clear()
         return {
             "events": tr.events,
             "flows": tr.flows,

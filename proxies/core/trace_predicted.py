@@ -3,9 +3,10 @@
 The same format and tracks as a measured trace (trace.py), drawn from the prediction's
 per-op spans (predict.py, keep_spans): computes; point-to-point batches with their wait for
 the last partner to post (idle) nested at their start; blocking collectives with their wait
-for the group's last member nested; a non-blocking collective's time in flight as an async
-span and its Wait as a slice; after its last op, each rank's wait for the slowest. Self
-times per category are the predicted breakdown (a --slow-link hold stays inside its batch).
+for the group's last member nested; a non-blocking collective's or P2P batch's time in
+flight as an async span and its Wait as a slice; after its last op, each rank's wait for
+the slowest. Self times per category are the predicted breakdown (a --slow-link hold stays
+inside its batch).
 
 Which ranks: --trace-ranks (world ranks), else the simulated ranks up to trace.MAX_RANKS.
 Where the prediction folds identical ranks (predict.py), a rank that was not simulated is
@@ -62,7 +63,10 @@ def _track(job, pred: Prediction, rank: int, src: int) -> dict:
     # The rank's own plan: its peers (an image's differ from its representative's), and its
     # point-to-point batches in plan order, the order a rank (blocked in each) runs them.
     plan = job.plan(rank)
-    batches = iter([op for op in plan.ops if isinstance(op, P2P)])
+    batches = iter([op for op in plan.ops if isinstance(op, P2P) and not op.req])
+    # non-blocking batches by request: an in-flight span and a wait slice, as a
+    # non-blocking collective's (no flow arrows: posting one takes no time, so no slice)
+    own = {op.req: op for op in plan.ops if isinstance(op, P2P) and op.req}
     counts: dict[tuple, int] = defaultdict(int)
 
     def us(t: float) -> float:
@@ -82,6 +86,12 @@ def _track(job, pred: Prediction, rank: int, src: int) -> dict:
                 chunk=op.chunk,
                 flops=op.flops,
             )
+        elif isinstance(op, P2P) and op.req:
+            thread, name, args = trace.nonblocking(own[op.req], plan.groups)
+            if idle is None:
+                tr.span(f"{name} in flight", op.category + "_hidden", us(t0), us(t1), **args)
+            else:
+                tr.slice(thread, f"wait {name}", op.category, us(t0), us(t1), **args)
         elif isinstance(op, P2P):
             mine = next(batches)
             wait = [(us(t0), us(t0 + idle), "the last partner")] if idle > 0 else []

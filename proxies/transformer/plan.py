@@ -13,7 +13,7 @@ from functools import lru_cache
 from proxies.core.grads import Flat, GradSync, Unit
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
-from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan
+from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan, Wait
 from proxies.core.schedules import SCHEDULES
 from proxies.transformer import context
 from proxies.transformer.config import GPT2Config, backward_pieces, stage_flops, stage_layout
@@ -32,7 +32,7 @@ class Piece:
     completes: tuple[int, ...] = ()
 
 
-Item = Piece | Collective | P2P
+Item = Piece | Collective | P2P | Wait
 # A rank's place in its context-parallel group: (cp rank, world rank of cp rank - 1, of + 1);
 # None without context parallelism.
 CPPlace = tuple[int, int, int] | None
@@ -83,14 +83,16 @@ class Pieces:
 
     # -- context parallelism: the attention core and what it exchanges over cp ----------
 
-    def _ring(self, place: CPPlace, name: str, count: int) -> P2P:
-        """One ring step: `count` floats to cp rank + 1, as many from cp rank - 1."""
+    def _ring(self, place: CPPlace, name: str, count: int, req: str) -> P2P:
+        """One ring step: `count` floats to cp rank + 1, as many from cp rank - 1, posted
+        non-blocking as `req` (ops() adds the micro-batch), completed by Wait(req)."""
         _, prev, nxt = place
         return P2P(
             "cp_ring",
             sends=(Msg(nxt, context.RING_TAG, f"{name}_out", 0, count),),
             recvs=(Msg(prev, context.RING_TAG, f"{name}_in", 0, count),),
             category="cp",
+            req=req,
         )
 
     def _cp_forward(self, l: int, place: CPPlace) -> list[Item]:
@@ -114,13 +116,16 @@ class Pieces:
                 proj,
             ]
         # ring: step s computes the key/value block of cp rank r - s; the exchange that
-        # brings the next block is issued before the current block's computation (TE's
-        # order). P2P batches are blocking here, so it does not yet overlap.
+        # brings the next block is posted (non-blocking) before the current block's
+        # computation and waited after it (TE's order), so it runs under that computation.
         items: list[Item] = [qkv]
         for s in range(n):
+            req = f"cp_ring:{l}:f{s}"
             if s < n - 1:
-                items.append(self._ring(place, "cp_kv", self.kv))
+                items.append(self._ring(place, "cp_kv", self.kv, req))
             items.append(Piece(f"fwd_core{s}:{l}", work[(r - s) % n]))
+            if s < n - 1:
+                items.append(Wait(req))
         return items + [proj]
 
     def _cp_backward(self, l: int, place: CPPlace) -> list[Item]:
@@ -160,13 +165,16 @@ class Pieces:
         # the others both in one message. Step i (< n-1) computes the block of cp rank
         # r-i-1 and its gradient accumulator travels on with it, one step behind, so the
         # owner receives its finished dk/dv at the last exchange and adds its own
-        # (diagonal) block, computed last.
+        # (diagonal) block, computed last. Each exchange is posted before step i's block
+        # computation and waited after it, so it runs under that computation.
         for i in range(n):
             kv, dkv = i < n - 1, i > 0
             name = "cp_kvdkv" if kv and dkv else "cp_kv" if kv else "cp_dkv"
-            items.append(self._ring(place, name, (kv + dkv) * self.kv))
+            req = f"cp_ring:{l}:b{i}"
+            items.append(self._ring(place, name, (kv + dkv) * self.kv, req))
             src = (r - i - 1) % n if i < n - 1 else r
             items.append(Piece(f"bwd_core{i}:{l}", work[src]))
+            items.append(Wait(req))
         return items
 
     def _attn_forward(self, l: int, place: CPPlace) -> list[Item]:
@@ -330,7 +338,10 @@ class Pieces:
                 item,
                 sends=tuple(replace(m, mb=mb, chunk=chunk) for m in item.sends),
                 recvs=tuple(replace(m, mb=mb, chunk=chunk) for m in item.recvs),
+                req=f"{item.req}:{mb}" if item.req else "",
             )
+        if isinstance(item, Wait):
+            return replace(item, req=f"{item.req}:{mb}")
         return replace(item, mb=mb)
 
 
