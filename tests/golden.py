@@ -75,13 +75,14 @@ IGNORE_REQUEST_NAMES = {"gpt2": False, "gpt3": False, "cosmoflow": False, "dlrm"
 FULL_OPS = 300_000  # more ops than this over all ranks: dump the folded representatives
 FLOAT_REL = 1e-12
 # Words of a proxy command that do not reach make_job here: the world comes from the case.
-DROP = {"--dry-run": 0, "--world-size": 1}
+# Words that change no plan: the dry run's own, and the files a run writes (traces).
+DROP = {"--dry-run": 0, "--world-size": 1, "--trace": 1, "--chakra": 1}
 
 
 @dataclass(frozen=True)
 class Case:
     proxy: str
-    argv: tuple[str, ...]  # the proxy's own words, without --dry-run and --world-size
+    argv: tuple[str, ...]  # the proxy's own words, without DROP's
     world: int
     source: str  # README.md or configs/NAME.yaml
 

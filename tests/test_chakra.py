@@ -11,13 +11,15 @@ import pytest
 pytest.importorskip("chakra.schema.protobuf.et_def_pb2")
 
 from proxies.core import chakra, chakra_check, cli, exits  # noqa: E402
-from proxies.core.plan import Collective, Compute, Wait  # noqa: E402
+from proxies.core.plan import P2P, Collective, Compute, Wait  # noqa: E402
 
 WORLD = 64
 CASES = {
     "gpt2": ["12", "4"],  # pipeline and data parallel
     "gpt3-tp-pp": ["--model", "gpt3-tiny", "4", "4", "--tp", "2"],
     "gpt3-moe": ["--model", "gpt3-tiny", "4", "2", "--tp", "2", "--moe-experts", "4", "--ep", "2"],
+    # context parallel: the ring's non-blocking key/value exchanges
+    "gpt3-cp-ring": ["--model", "gpt3-tiny", "4", "2", "--tp", "2", "--cp", "4", "--seq-len", "64"],
     "cosmoflow": ["--model", "dnn-cpp-proxies"],
     "dlrm": ["--model", "mlperf"],
 }
@@ -114,6 +116,25 @@ def test_waits_keep_the_overlap(written):
             assert users == [n]  # only the wait: the compute in between overlaps it
             after = [m for m in nodes if n.id in m.data_deps]
             assert after or n is nodes[-1]
+
+
+def test_non_blocking_exchanges_overlap_until_their_wait(written):
+    """The cp ring's exchanges are non-blocking P2P batches: their send/recv nodes are
+    depended on only by their wait, so the block computed meanwhile overlaps them."""
+    d, job, _ = written["gpt3-cp-ring"]
+    assert any(isinstance(op, P2P) and op.req for op in job.plan(0).ops)
+    pb = chakra.load()
+    _, nodes = chakra_check.read_trace(chakra_check.traces(str(d))[0])
+    p2p = {pb.COMM_SEND_NODE, pb.COMM_RECV_NODE}
+    waited = 0
+    for n in nodes:
+        if n.name.startswith("wait cp_ring"):
+            exchange = [m for m in nodes if m.id in n.data_deps and m.type in p2p]
+            assert exchange
+            for m in exchange:
+                assert [u for u in nodes if m.id in u.data_deps] == [n]
+            waited += 1
+    assert waited
 
 
 def rewrite(path, nodes):

@@ -118,7 +118,7 @@ def rank_records(
     """The nodes of one rank's plan, ids 1.. in plan order (see the module doc)."""
     out: list[Record] = []
     frontier: list[int] = []  # what the next op depends on
-    pending: dict[str, int] = {}  # req -> its non-blocking collective's node id
+    pending: dict[str, list[int]] = {}  # req -> its non-blocking op's node ids
     last_coll: dict[str, int] = {}  # group -> id of its latest collective
 
     def node(name: str, kind: str, deps: list[int], attrs: tuple, us: int = 0, ctrl=()) -> int:
@@ -144,7 +144,10 @@ def rank_records(
                     )
                     name = f"{op.name}: {way} {m.buf} mb {m.mb}"
                     ids.append(node(name, f"COMM_{way.upper()}_NODE", frontier, attrs))
-            frontier = ids or frontier
+            if op.req:  # non-blocking: only its wait depends on its messages (overlap)
+                pending[op.req] = ids
+            else:
+                frontier = ids or frontier
         elif isinstance(op, Collective):
             attrs = (
                 ("comm_type", "int64_val", COMM_TYPES[op.kind]),
@@ -157,12 +160,12 @@ def rank_records(
             i = node(name, "COMM_COLL_NODE", frontier, attrs, ctrl=ctrl)
             last_coll[op.group] = i
             if op.req:
-                pending[op.req] = i  # the next op does not wait for it: overlap
+                pending[op.req] = [i]  # the next op does not wait for it: overlap
             else:
                 frontier = [i]
         elif isinstance(op, Wait):
             started = pending.pop(op.req)
-            frontier = [node(f"wait {op.req}", "COMP_NODE", [*frontier, started], ())]
+            frontier = [node(f"wait {op.req}", "COMP_NODE", [*frontier, *started], ())]
     return out
 
 

@@ -171,11 +171,12 @@ def op_rows(op) -> list[tuple[str, ...]]:
         return [(name, "", "", "", "", "", f"{op.flops:.3g}" if op.flops else "")]
     if isinstance(op, P2P):
         rows = []
+        posted = f" (start {op.req})" if op.req else ""  # non-blocking: its Wait completes it
         for d, msgs in (("send", op.sends), ("recv", op.recvs)):
             for m in msgs:
                 rows.append(
                     (
-                        f"{op.name}: {d}",
+                        f"{op.name}: {d}{posted}",
                         op.category,
                         str(m.peer),
                         f"{m.buf} mb {m.mb}",
