@@ -26,7 +26,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     unmarked = []
     for item in items:
         path = str(getattr(item, "path", "") or item.fspath)
-        if os.path.dirname(os.path.abspath(path)) != here or not hasattr(item, "originalname"):
+        # every test module under tests/, its package folders included (tests/gpt2/...)
+        inside = os.path.abspath(path).startswith(here + os.sep)
+        if not inside or not path.endswith(".py") or not hasattr(item, "originalname"):
             continue
         if item.originalname in markers.launching_in(path) and not item.get_closest_marker("mpi"):
             unmarked.append(item.nodeid)

@@ -1,4 +1,4 @@
-"""Run under mpiexec by test_engine.py: every collective kind, blocking and non-blocking,
+"""Run under mpiexec by tests/core/test_engine.py: every collective kind, blocking and non-blocking,
 through the Engine with --check on, compared with NumPy on every rank.
 
 Arguments: elements per rank, spin|yield, extra elements, and optionally a wire dtype

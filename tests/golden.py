@@ -7,7 +7,7 @@ sweeps in configs/*.yaml, dumped as data, so a change to what any proxy sends is
     python tests/golden.py                   compare every case to its golden (as the test does)
 
 A case is a proxy command line and a world size: `mpiexec -n N python -m proxies.X ARGS` of a
-README ```sh block (README sections as tests/test_readme.py reads them) is X, ARGS and N;
+README ```sh block (README sections as tests/project/test_readme.py reads them) is X, ARGS and N;
 `--dry-run --world-size N` is X, ARGS and N; a sweep point is its proxy, its own words and
 machine options, and its ranks (points a skip rule skips are left out). The job is built as
 the proxy's dry run builds it (`make_job(args, world)` from the proxy's parser, after
@@ -31,7 +31,7 @@ non-folded coordinates, plus the last rank (all coordinates at their highest) in
 change only folded ranks would see is caught there; `folded` names the dimensions and maps
 every rank to its representative.
 
-The comparison (tests/test_golden.py) names the first differing rank, op and field in one
+The comparison (tests/project/test_golden.py) names the first differing rank, op and field in one
 line. Integers and strings must be equal, of the same type; floats (FLOPs, seconds) to a
 relative 1e-12, so a sum reordered by a refactoring does not count as a change of traffic.
 IGNORE_REQUEST_NAMES per proxy compares request names (Collective.req, Wait.req) only up to a

@@ -1,6 +1,6 @@
 """Faults on purpose, in one process: parsing, bad values (exit 2, one line), the seeded
 samples, what each rank's engine is told, the predictor's perturbed iteration, and the
-who-waited-for-whom table. Multi-rank runs are in test_faults_mpi.py."""
+who-waited-for-whom table. Multi-rank runs are in tests/core/test_faults_mpi.py."""
 
 from __future__ import annotations
 

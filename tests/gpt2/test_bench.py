@@ -13,7 +13,7 @@ from proxies.gpt2 import bench
 
 pytestmark = pytest.mark.slow  # subprocess runs of benchmarks/gpt2_step.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
     "--model",
     "gpt2-tiny",

@@ -15,7 +15,7 @@ def job(argv, world):
 def test_megatron_traffic_at_the_cpp_proxy_sizes():
     """GPT-2-large widths, micro-batch 1, sequence 632 in the default (Megatron) mode: the
     C++ proxy's activation size, but one fused allreduce per stage (its per-layer messages:
-    test_gpt2_cpp.py)."""
+    tests/gpt2/test_cpp.py)."""
     j = job(
         ["36", "4", "--model", "gpt2-large", "--seq-len", "632", "--micro-batch", "1", "--dry-run"],
         8,

@@ -8,7 +8,8 @@ import json
 
 import pytest
 from launch import mpirun
-from test_gpt3_model import MOE, MOE_DROPLESS, emulate, reference
+
+from .test_model import MOE, MOE_DROPLESS, emulate, reference
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI
 

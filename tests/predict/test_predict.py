@@ -10,10 +10,11 @@ import sys
 from dataclasses import replace
 
 import pytest
-from test_network import GBIT, machine
 
 from proxies.core import prediction
 from proxies.core.machine import load
+
+from .test_network import GBIT, machine
 
 TEN_GBE = "configs/machines/10gbe.yaml"
 MIB = 1 << 20

@@ -4,7 +4,7 @@ repeated between GPT-2 and GPT-3 or between proxies/transformer and another pack
 Today's offenders are listed with their current figures: an entry may shrink (the figure is
 a ceiling), a new offender or a grown one fails, and an entry that no longer offends fails
 too, asking to be deleted, so the lists only ever get shorter. (Imports are
-tests/test_layering.py's business, not this file's.)
+tests/project/test_layering.py's business, not this file's.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 import sys
 from collections import defaultdict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "proxies")
 MAX_LINES = 600
 RUN = 6  # identical consecutive lines that count as a repeat

@@ -11,11 +11,12 @@ import textwrap
 
 import pytest
 from launch import ROOT
-from test_sweep import TINY  # the one tiny sweep file the sweep tests share
 
 from proxies.core import exits
 from proxies.sweep import expr, preflight, runner, schema, yamlfile
 from proxies.sweep.schema import MAX_POINTS, MAX_REPEAT, SweepError, expand, load
+
+from .test_files import TINY  # the one tiny sweep file the sweep tests share
 
 
 def write(tmp_path, text, name="s.yaml") -> str:

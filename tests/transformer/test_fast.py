@@ -1,6 +1,6 @@
 """The fast GPT-2 kernels (fast.py) against the reference ones (kernels.py) in float32.
 
-The reference kernels are checked against finite differences (test_gpt2_kernels.py); here
+The reference kernels are checked against finite differences (test_kernels.py); here
 every fast kernel must agree with its reference to 1e-5 relative (of the largest value),
 with blocks small enough that every kernel really runs in several blocks on two threads.
 Layernorm is blocked row-wise without changing any per-row result: bit for bit.
