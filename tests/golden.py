@@ -59,7 +59,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 GOLDEN_DIR = os.path.join(TESTS, "golden")
 # Run as a script, sys.path starts with tests/: put this checkout's proxies first (not an
-# installed copy), and keep tests/ for test_readme.
+# installed copy), and keep tests/ for project/test_readme.
 if sys.path[0] != ROOT:
     sys.path.insert(0, ROOT)
 if TESTS not in sys.path:
@@ -155,7 +155,7 @@ def case_of(command: str, source: str) -> Case | None:
 
 
 def readme_cases() -> list[Case]:
-    import test_readme  # the README's example commands, as that test runs them
+    from project import test_readme  # the README's example commands, as that test runs them
 
     return [c for c in (case_of(cmd, "README.md") for cmd in test_readme.EXAMPLES) if c]
 

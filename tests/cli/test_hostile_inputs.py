@@ -241,6 +241,7 @@ E2E = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,args,option", E2E, ids=[" ".join(c[1]) for c in E2E])
 def test_hostile_value_end_to_end(module, args, option):
     r = run([sys.executable, "-m", module, *args], timeout=60)
@@ -256,6 +257,7 @@ def test_hostile_value_under_mpiexec_prints_once():
 # -- outputs --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path,words",
     [
@@ -274,6 +276,7 @@ def test_unwritable_output_is_refused_before_the_run(module, path, words, tmp_pa
     assert os.listdir(tmp_path) == []  # nothing left behind
 
 
+@pytest.mark.slow
 def test_dry_run_output_is_checked_before_planning():
     r = run([sys.executable, "-m", "proxies.gpt3", "--dry-run", "--json", "/proc/x"], timeout=60)
     assert "--json /proc/x" in one_line(r, "proxies.gpt3")
@@ -359,6 +362,7 @@ def blas_decision(env: dict) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["abc", "0", "-1"])
 def test_invalid_omp_num_threads_is_ignored_and_reported(value):
     (n, _, cores, source), blas = blas_decision({"OMP_NUM_THREADS": value, "MPI_LOCALNRANKS": "1"})
@@ -366,6 +370,7 @@ def test_invalid_omp_num_threads_is_ignored_and_reported(value):
     assert f"OMP_NUM_THREADS={value!r} ignored" in source
 
 
+@pytest.mark.slow
 def test_nested_omp_num_threads_reports_the_outer_level():
     (n, _, _, source), _ = blas_decision({"OMP_NUM_THREADS": "4,2"})
     assert n == 4 and source.startswith("user (OMP_NUM_THREADS=4,2")
@@ -393,6 +398,7 @@ def test_env_rank_trusts_only_consistent_launchers(env, rank, size, monkeypatch)
     assert (cli.env_rank(), cli.env_world_size()) == (rank, size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env", [{"PMI_RANK": "3"}, {"PMI_RANK": "3", "PMI_SIZE": "4"}, {"SLURM_PROCID": "7"}]
 )

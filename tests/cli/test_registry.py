@@ -69,6 +69,7 @@ def test_job_is_built_by_keyword_only():
         runner.Job("proxies.x", "x", {}, None, None, (), str)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_main_lists_the_registry_and_hints_a_misspelling():
     r = run([sys.executable, "-m", "proxies"], timeout=60, cwd=ROOT)
     assert r.returncode == 0

@@ -143,6 +143,7 @@ def test_kill_iteration_must_be_in_the_run():
         faults.check(faults.Faults(kill={1: 3}), args, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module, extra",
     [

@@ -119,6 +119,7 @@ HUGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(HUGE))
 def test_huge_counts_are_refused_fast(case):
     argv, words = HUGE[case]
@@ -138,6 +139,7 @@ def dry(tmp_path, module, *argv) -> tuple[str, dict]:
     return r.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module,argv",
     [
@@ -154,6 +156,7 @@ def test_dry_run_prints_and_writes_the_estimate(tmp_path, module, argv):
     assert per and all(v["baseline"] == memory.BASELINE_BYTES for v in per.values())
 
 
+@pytest.mark.slow
 def test_gpt2_estimate_is_the_hand_arithmetic(tmp_path):
     # 4 layers on 2 stages, 4 micro-batches of 2 x 32, 1f1b: stage 0 keeps 2 in flight,
     # stage 1 one; gpipe keeps all 4 on both
@@ -178,6 +181,7 @@ def test_gpt2_estimate_is_the_hand_arithmetic(tmp_path):
     assert g0["activations"] == m * first and g1["activations"] == m * last
 
 
+@pytest.mark.slow
 def test_comm_only_modes_hold_no_model(tmp_path):
     _, real = dry(tmp_path, "proxies.gpt2", "--world-size", "2", "4", "2")
     _, none = dry(tmp_path, "proxies.gpt2", "--world-size", "2", "4", "2", "--compute", "none")
@@ -242,6 +246,7 @@ def test_memory_limit_values(text, want):
     assert memory.parse_limit(text) == want
 
 
+@pytest.mark.slow
 def test_memory_limit_bad_value_is_one_line():
     env = {**os.environ}
     r = subprocess.run(

@@ -135,6 +135,7 @@ def version_of(main, argv, capsys) -> str:
     return capsys.readouterr().out.strip()
 
 
+@pytest.mark.slow
 def test_version_on_every_entry_point(capsys):
     from proxies.calibrate.main import parser as calibrate
     from proxies.collectives.bench import parser as collectives
@@ -171,6 +172,7 @@ def test_shipped_configs_found_from_any_folder(tmp_path, monkeypatch):
 # -- results ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy", sorted(DRY))
 def test_dry_run_json_conforms(tmp_path, proxy):
     out = tmp_path / "dry.json"
@@ -208,6 +210,7 @@ def launcher_env() -> dict[str, str]:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_result_that_breaks_the_schema_is_caught(tmp_path):
     out = tmp_path / "dry.json"
     r = run([sys.executable, "-m", "proxies.gpt2", "--dry-run", "--json", str(out)], timeout=120)

@@ -15,6 +15,7 @@ def child_env(env: dict) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_parent_choice_is_recomputed_and_user_choice_kept():
     import os
 

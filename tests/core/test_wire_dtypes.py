@@ -63,6 +63,7 @@ def dry_bytes(tmp_path, name: str, *extra: str) -> dict[str, list[int]]:
     return json.loads(out.read_text())["bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROXIES))
 def test_bf16_halves_the_bytes_of_its_categories(tmp_path, name):
     _, _, _, grads, mixed = PROXIES[name]
@@ -84,6 +85,7 @@ def test_bf16_halves_the_bytes_of_its_categories(tmp_path, name):
             assert grad[c] == want, c
 
 
+@pytest.mark.slow
 def test_fp16_is_two_bytes_too(tmp_path):
     fp32 = dry_bytes(tmp_path, "gpt2")
     fp16 = dry_bytes(tmp_path, "gpt2", "--dtype", "fp16", "--grad-dtype", "fp16")

@@ -157,6 +157,7 @@ def test_defaults_of_the_preset_and_the_schedule():
     assert job(["--dry-run"], 1).config["compute"] == "real"  # the default mode is unchanged
 
 
+@pytest.mark.slow
 def test_dry_run_lists_the_cpp_messages_in_order():
     r = run(
         [sys.executable, "-m", "proxies.gpt2", "36", "4", "8", "--model", "dnn-cpp-proxies",
@@ -190,6 +191,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,words", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_combinations_are_one_line_and_exit_2(argv, words):
     cmd = [sys.executable, "-m", PROG, "4", "2", *argv, "--dry-run", "--world-size", "4"]

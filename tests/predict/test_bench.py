@@ -54,6 +54,7 @@ def test_model_point_takes_the_rate():
     assert row["categories"]["compute"]["predicted_s"] > 0
 
 
+@pytest.mark.slow
 def test_compute_at_one_tflops_is_the_dry_runs(tmp_path):
     # no MPI: the predictor's dry run at 1 TFLOP/s; at 2 TFLOP/s the busiest rank computes half
     point = tiny_point("gpt3")
@@ -122,6 +123,7 @@ def test_configs_use_the_ranks():
             assert config and args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

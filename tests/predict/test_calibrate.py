@@ -50,6 +50,7 @@ def one_error_line(r, words):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bad_output_path_exits_2_before_measuring():
     r = run([sys.executable, "-m", "proxies", "calibrate", "-o", "/nonexistent/dir/x.yaml"], 60)
     one_error_line(r, ["-o /nonexistent/dir/x.yaml: no such directory /nonexistent/dir"])

@@ -182,6 +182,7 @@ def run_cmd(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_gpt2_dry_run_predicts_the_seed_layout(tmp_path):
     """GPT-2 124M data-parallel over 9 ranks on 5 nodes (2 per node): naive allreduce
     through rank 0's node vs ring."""
@@ -221,6 +222,7 @@ def test_gpt2_dry_run_predicts_the_seed_layout(tmp_path):
     assert times["naive"] > 3 * times["ring"]
 
 
+@pytest.mark.slow
 def test_bad_machine_file_exits_2(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text(open(TEN_GBE).read().replace("bandwidth: 9.41 Gb/s", "bandwidth: -9.41 Gb/s", 1))

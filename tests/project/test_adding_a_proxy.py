@@ -27,12 +27,14 @@ def toy(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_the_example_plans_are_valid_at_any_world_size(toy):
     r = run([sys.executable, toy, "--dry-run", "--world-size", "64"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert "plan valid: 64 ranks" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(toy):
     r = run([sys.executable, toy, "--width", "0", "--dry-run"], timeout=120)
     assert r.returncode == 2

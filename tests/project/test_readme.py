@@ -22,6 +22,7 @@ def test_quick_start_has_exactly_two_commands():
     assert commands("Quick start") == ["./dev.sh run", "./dev.sh test"]
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(
     not os.path.isfile(os.path.join(ROOT, ".venv/bin/python")),
     reason="./dev.sh run would create a new environment",

@@ -149,6 +149,7 @@ def test_sweep_dirs_matched_by_point(tmp_path, capsys):
     assert len(doc["points"]) == 1 and doc["only_in_a"] == ["gpt2 · 2 ranks · layers=1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "what, words",
     [
@@ -284,6 +285,7 @@ def test_scaling_warning(scaling, batches, words):
     assert got == [] if words is None else (len(got) == 1 and words in got[0])
 
 
+@pytest.mark.slow
 def test_report_reads_print_commands_point_files(tmp_path):
     sweep = tmp_path / "w.yaml"
     sweep.write_text(
@@ -312,6 +314,7 @@ def test_report_reads_print_commands_point_files(tmp_path):
     assert [g["iter_time_max_s"] for g in got if g["status"] == "ok"] == ["0.2", "0.2", "0.2"]
 
 
+@pytest.mark.slow
 def test_compare_is_a_command():
     r = run([sys.executable, "-m", "proxies"], timeout=60, cwd=ROOT)
     assert "compare" in r.stdout

@@ -121,6 +121,7 @@ def test_not_a_mapping_and_missing_file(tmp_path):
         load(str(tmp_path / "nope.yaml"))
 
 
+@pytest.mark.slow
 def test_bad_file_exits_2_with_one_line(tmp_path):
     path = write(tmp_path, TINY + "colour: red\n")
     r = subprocess.run(
@@ -253,6 +254,7 @@ def test_print_commands(tmp_path, capsys):
     assert not (tmp_path / "t").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_sbatch_script(tmp_path, capsys):
     text = TINY.replace("[1, 2]", "[2, 8]") + "timeout: 100\nsbatch: {partition: debug}\n"
     path = write(tmp_path, text)
@@ -338,6 +340,7 @@ def test_speedup_and_efficiency():
     assert rows[("w", 8, "layers=4")]["efficiency"] == 1.0  # its own series, its own base
 
 
+@pytest.mark.slow
 def test_report_cli_errors(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "proxies", "report", str(tmp_path)],

@@ -256,6 +256,7 @@ def test_outputs_are_checked_before_the_first_point(
     assert one_line_error(capsys).startswith(want.replace("TMP", str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_sweep_path_with_a_newline_cannot_add_a_line_to_scripts(tmp_path, capsys):
     path = write(tmp_path, TINY + "skip:\n  - require: 'ranks > 1'\n", "s\necho pwned.yaml")
     job = tmp_path / "job.sh"
@@ -270,6 +271,7 @@ def test_sweep_path_with_a_newline_cannot_add_a_line_to_scripts(tmp_path, capsys
     assert len(out) == 3 and not any(x.startswith("echo pwned") for x in out)
 
 
+@pytest.mark.slow
 def test_subprocess_gets_one_line_and_exit_2(tmp_path):
     path = write(tmp_path, TINY + "ranks: [4]\n")
     r = subprocess.run(

@@ -338,6 +338,7 @@ def test_predicted_points_run_without_the_launcher_and_resume(tmp_path):
     assert len(results.load(str(tmp_path / "t" / "results.jsonl"))) == 2
 
 
+@pytest.mark.slow
 def test_measured_point_carries_its_prediction(tmp_path):
     path = write(tmp_path, BASE + "ranks: [2]\npredict_ranks: [4]\n")
     r = sweep(path, tmp_path)

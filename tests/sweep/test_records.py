@@ -207,6 +207,7 @@ def test_failed_point_reason_names_the_status_and_diagnosis(
     assert row["reason"] == want
 
 
+@pytest.mark.slow
 def test_a_command_that_cannot_start_is_a_failed_point_with_the_reason(tmp_path):
     err = str(tmp_path / "e")
     o = launch.run([str(tmp_path / "no-such-program")], {}, 10, str(tmp_path / "o"), err)
