@@ -357,6 +357,7 @@ def test_measured_point_carries_its_prediction(tmp_path):
     assert float(rows[4]["speedup"]) == pytest.approx(p / p4, rel=1e-12)
 
 
+@pytest.mark.slow  # plans five 175B layouts of up to 12,288 ranks: seconds
 def test_shipped_gpt3_predict_config():
     """All predicted, tp 8 x 16 stages x DP 1, 2, 8, 32, 96 on the DGX A100 model, 8 ranks
     per node; the proxy plans every point (its precheck dry run accepts them all)."""
