@@ -22,12 +22,19 @@ import pytest
 
 FILES = sorted(glob.glob(os.path.join(golden.GOLDEN_DIR, "*.json.gz")))
 NAMES = [os.path.basename(f).removesuffix(".json.gz") for f in FILES]
-# A golden over 256 KiB is a plan that takes seconds to build and compare (GPT-3's 96 GPipe
-# stages on 768 ranks: 1 MB, 6 s, as much as all the others together): `slow`, out of the
-# inner loop, still in the full suite.
+# `slow` (out of the inner loop, still in the full suite), the cases that take seconds to
+# plan and compare: a golden over 256 KiB (GPT-3's 96 GPipe stages on 768 ranks: 1 MB, 6 s,
+# as much as all the others together) and the sweeps' GPT-3 175B points (configs/gpt3-*.yaml:
+# 1 to 5 s each under load, half of what remains). The README's 175B layouts stay in.
 BIG = 256 * 1024
+
+
+def slow_golden(path: str, name: str) -> bool:
+    return os.path.getsize(path) > BIG or (name.startswith("gpt3-") and "model_gpt3_175b" in name)
+
+
 PARAMS = [
-    pytest.param(n, marks=pytest.mark.slow) if os.path.getsize(f) > BIG else n
+    pytest.param(n, marks=pytest.mark.slow) if slow_golden(f, n) else n
     for f, n in zip(FILES, NAMES, strict=True)
 ]
 
