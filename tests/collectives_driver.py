@@ -1,6 +1,6 @@
-"""Run under mpiexec by test_collectives.py: every algorithm of proxies.collectives against
-NumPy, on awkward counts, float32 and float64, with MPI's wait and with the engine's
-sleeping one.
+"""Run under mpiexec by tests/collectives/test_algorithms.py: every algorithm of
+proxies.collectives against NumPy, on awkward counts, float32 and float64, with MPI's wait
+and with the engine's sleeping one.
 
 Two checks per result:
 - value: |got - sum| <= (n-1) * eps(dtype) * sum|x_i| + tiny, against the float64 sum:

@@ -1,6 +1,6 @@
-"""Run under mpiexec by test_engine.py: every collective kind and a ring of point-to-point
-messages, blocking and non-blocking, through the Engine with --check on, compared with
-NumPy on every rank.
+"""Run under mpiexec by tests/core/test_engine.py: every collective kind and a ring of
+point-to-point messages, blocking and non-blocking, through the Engine with --check on,
+compared with NumPy on every rank.
 
 Arguments: elements per rank, spin|yield, extra elements, and optionally a wire dtype
 (float32, bfloat16, float16), whether the runtime's buffers are float32 and staged

@@ -7,7 +7,7 @@ sweeps in configs/*.yaml, dumped as data, so a change to what any proxy sends is
     python tests/golden.py                   compare every case to its golden (as the test does)
 
 A case is a proxy command line and a world size: `mpiexec -n N python -m proxies.X ARGS` of a
-README ```sh block (README sections as tests/test_readme.py reads them) is X, ARGS and N;
+README ```sh block (README sections as tests/project/test_readme.py reads them) is X, ARGS and N;
 `--dry-run --world-size N` is X, ARGS and N; a sweep point is its proxy, its own words and
 machine options, and its ranks (points a skip rule skips are left out). The job is built as
 the proxy's dry run builds it (`make_job(args, world)` from the proxy's parser, after
@@ -31,7 +31,7 @@ non-folded coordinates, plus the last rank (all coordinates at their highest) in
 change only folded ranks would see is caught there; `folded` names the dimensions and maps
 every rank to its representative.
 
-The comparison (tests/test_golden.py) names the first differing rank, op and field in one
+The comparison (tests/project/test_golden.py) names the first differing rank, op and field in one
 line. Integers and strings must be equal, of the same type; floats (FLOPs, seconds) to a
 relative 1e-12, so a sum reordered by a refactoring does not count as a change of traffic.
 IGNORE_REQUEST_NAMES per proxy compares request names (Collective.req, Wait.req) only up to a
@@ -59,7 +59,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 GOLDEN_DIR = os.path.join(TESTS, "golden")
 # Run as a script, sys.path starts with tests/: put this checkout's proxies first (not an
-# installed copy), and keep tests/ for test_readme.
+# installed copy), and keep tests/ for project/test_readme.
 if sys.path[0] != ROOT:
     sys.path.insert(0, ROOT)
 if TESTS not in sys.path:
@@ -156,7 +156,7 @@ def case_of(command: str, source: str) -> Case | None:
 
 
 def readme_cases() -> list[Case]:
-    import test_readme  # the README's example commands, as that test runs them
+    from project import test_readme  # the README's example commands, as that test runs them
 
     return [c for c in (case_of(cmd, "README.md") for cmd in test_readme.EXAMPLES) if c]
 

@@ -18,12 +18,12 @@ give zero-byte flows: their latency still counts).
 
 Both are computed per rank by closed-form recurrences over the algorithm's structure
 (binomial trees, butterflies, rings), O(n) or O(n log n) per call (pairwise alltoall
-O(n^2), as its flows are), and are exact: tests/test_steps.py replays every trace event by
-event and compares, for uniform and two-level alphas. One bound: ring's clocks within hier
-(every leader is given the slowest leader's finish plus the ring: exact when the leaders'
-ring edges share one alpha, an upper bound otherwise). dbtree has no closed form (see
-_dbtree): its programs are replayed. Results are cached on (kind, alg, n, count,
-itemsize, alpha, nodes); pass the same alpha object to hit the cache.
+O(n^2), as its flows are), and are exact: tests/collectives/test_steps.py replays every
+trace event by event and compares, for uniform and two-level alphas. One bound: ring's
+clocks within hier (every leader is given the slowest leader's finish plus the ring: exact
+when the leaders' ring edges share one alpha, an upper bound otherwise). dbtree has no
+closed form (see _dbtree): its programs are replayed. Results are cached on (kind, alg, n,
+count, itemsize, alpha, nodes); pass the same alpha object to hit the cache.
 """
 
 from __future__ import annotations

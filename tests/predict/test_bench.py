@@ -1,0 +1,175 @@
+"""benchmarks/predict.py: one real point with a shipped machine file (measured, predicted and
+error fields), the row arithmetic, failures shown as rows, and bad input."""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import launch
+import pytest
+
+ROOT = launch.ROOT
+SCRIPT = os.path.join(ROOT, "benchmarks", "predict.py")
+MACHINE = os.path.join(ROOT, "configs", "machines", "one-node.yaml")
+
+spec = importlib.util.spec_from_file_location("predict_bench", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench  # dataclasses look their module up there
+spec.loader.exec_module(bench)
+
+
+def tiny_point(proxy: str = "gpt2", mode: str = "none", tflops=None):
+    config, args = bench.configs(proxy, 2, quick=True)
+    return bench.Point(proxy, config, args, 2, mode, tflops, ["--ranks-per-node", "2"])
+
+
+@pytest.mark.mpi
+def test_one_point_measured_and_predicted():
+    row = bench.run_point(tiny_point(), MACHINE, timeout=120, iters=2, warmup=1, run=launch.run)
+    assert row["status"] == "ok", row
+    assert len(row["measured_iters_s"]) == 2
+    assert row["measured_s"] == pytest.approx(statistics.fmean(row["measured_iters_s"]))
+    assert row["measured_s"] > 0 and row["predicted_s"] > 0
+    m, p = row["measured_s"], row["predicted_s"]
+    assert row["error_pct"] == pytest.approx(100 * (p - m) / m)
+    # gpt2 at pp 2: the pipeline sends and the tied-embedding allreduce, both predicted
+    assert {"pp", "embed_allreduce"} <= set(row["categories"])
+    assert row["categories"]["embed_allreduce"]["predicted_s"] > 0
+    assert "one node" in row["prediction"] and "2 ranks per node" in row["prediction"]
+    assert row["worst_category"] is None or row["worst_category"] in row["categories"]
+    assert row["command"].startswith("mpiexec -n 2 python -m proxies.gpt2 ")
+
+
+@pytest.mark.mpi
+def test_model_point_takes_the_rate():
+    row = bench.run_point(
+        tiny_point("dlrm", "model", 0.5), MACHINE, timeout=120, iters=1, run=launch.run
+    )
+    assert row["status"] == "ok", row
+    assert "--device-tflops 0.5" in row["command"] and "--model-times flops" in row["command"]
+    assert "0.5 TFLOP/s" in row["prediction"]
+    assert row["categories"]["compute"]["predicted_s"] > 0
+
+
+@pytest.mark.slow
+def test_compute_at_one_tflops_is_the_dry_runs(tmp_path):
+    # no MPI: the predictor's dry run at 1 TFLOP/s; at 2 TFLOP/s the busiest rank computes half
+    point = tiny_point("gpt3")
+    c1 = bench.compute_at_one_tflops(point, MACHINE)
+    out = tmp_path / "dry.json"
+    cmd = [sys.executable, "-m", "proxies.gpt3", *point.args, "--compute", "model",
+           "--device-tflops", "2", "--dry-run", "--world-size", "2", "--machine", MACHINE,
+           "--ranks-per-node", "2", "--json", str(out)]  # fmt: skip
+    assert launch.run(cmd, timeout=60).returncode == 0
+    c2 = json.loads(out.read_text())["predicted_breakdown_max_s"]["compute"]
+    assert c1 > 0 and c2 == pytest.approx(c1 / 2)
+
+
+@pytest.mark.mpi
+def test_failed_point_is_a_row():
+    point = tiny_point("gpt3")
+    point.args = [*point.args, "--tp", "3"]  # 3 does not divide the heads: exit 2
+    row = bench.run_point(point, MACHINE, timeout=120, run=launch.run)
+    assert row["status"].startswith("failed: exit 2: "), row
+    assert "measured_s" not in row
+    late = bench.run_point(tiny_point(), MACHINE, timeout=0.01)
+    assert late["status"] == "failed: timed out after 0.01 s"
+
+
+def result(iters, breakdown, predicted, pred_breakdown):
+    return {
+        "iter_time_s": iters,
+        "breakdown_s": breakdown,
+        "predicted_iter_time_s": predicted,
+        "predicted_breakdown_s": pred_breakdown,
+    }
+
+
+def test_compare_judges_big_categories_only():
+    r = bench.compare(
+        result(
+            [1.0, 3.0],  # mean 2
+            {
+                "compute": [1.0, 1.0],  # 50%, predicted 1.1: +10%
+                "tp_allreduce": [0.4, 0.4],  # 20%, predicted 0.2: -50%
+                "pp": [0.1, 0.1],  # 5%: not judged, though predicted 0
+                "overhead": [0.5, 0.3],  # 20%, no prediction: -100%
+                "dp_allreduce_hidden": [1.0, 1.0],  # overlapped: not judged
+            },
+            1.5,
+            {"compute": 1.1, "tp_allreduce": 0.2, "pp": 0.0, "dp_allreduce_hidden": 5.0},
+        )
+    )
+    assert r["measured_s"] == 2.0 and r["predicted_s"] == 1.5
+    assert r["error_pct"] == pytest.approx(-25.0)
+    assert r["worst_category"] == "overhead"
+    assert r["worst_category_error_pct"] == pytest.approx(-100.0)
+    assert r["categories"]["tp_allreduce"]["error_pct"] == pytest.approx(-50.0)
+    assert r["categories"]["pp"]["share"] == pytest.approx(0.05)
+    r = bench.compare(result([1.0], {"compute": [0.95], "pp": [0.05]}, 1.2, {"compute": 1.0}))
+    assert r["worst_category"] == "compute"
+    assert r["worst_category_error_pct"] == pytest.approx(100 * 0.05 / 0.95)
+
+
+def test_configs_use_the_ranks():
+    assert bench.configs("gpt3", 4)[1][:2] == ["2", "2"]  # 2 layers over 2 stages, tp 2
+    assert "--global-batch" in bench.configs("cosmoflow", 4)[1]
+    for proxy in bench.PROXIES:
+        for ranks in (2, 4, 8):
+            config, args = bench.configs(proxy, ranks)
+            assert config and args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ranks", "3"], "--ranks: expected even rank counts >= 2"),
+        (["--ranks", "2,x"], "--ranks: expected even rank counts"),
+        (["--proxies", "gpt2,bert"], "--proxies: expected a subset of"),
+        (["--modes", "real"], "--modes: expected a subset of none,model"),
+        (["--tflops", "-1"], "--tflops: expected a positive number or auto"),
+        (["--tflops", "fast"], "--tflops: expected a positive number or auto"),
+        (["--machine", "/nonexistent.yaml"], "--machine: no such file"),
+        (["--machine", MACHINE, "--calibrate"], "not allowed with argument"),
+    ],
+)
+def test_bad_input(args, message):
+    r = subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.mpi
+def test_script_end_to_end(tmp_path):
+    # the whole script on one proxy: the none point, the rate from it, the model point, table
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "dlrm",
+           "--quick", "--json", str(out)]  # fmt: skip
+    r = launch.run(cmd, timeout=120)
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("# * error above 25%")[1]
+    assert table.count("dlrm-tiny B=64, row-wise") == 2 and " TF " in table
+    d = json.loads(out.read_text())
+    none, model = d["rows"]
+    assert (none["mode"], model["mode"]) == ("none", "model")
+    assert none["status"] == model["status"] == "ok"
+    assert model["tflops"] > 0 and d["machine"].startswith("one node")
+    assert d["command"].startswith("python benchmarks/predict.py --machine")
+
+
+@pytest.mark.mpi
+def test_script_shows_failed_points(tmp_path):
+    cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "gpt2",
+           "--quick", "--timeout", "0.01"]  # fmt: skip
+    r = launch.run(cmd, timeout=60)
+    assert r.returncode == 1, r.stderr
+    table = r.stdout.split("# * error above 25%")[1]
+    assert "none            failed: timed out after 0.01 s" in table
+    assert "failed: no --device-tflops (the none point failed" in table

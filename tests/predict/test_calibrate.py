@@ -1,0 +1,105 @@
+"""python -m proxies calibrate: the fit, refusals before measuring, and quick runs whose file
+loads back."""
+
+import math
+import sys
+
+import pytest
+from launch import mpirun, run
+
+from proxies.calibrate import fit_hockney
+from proxies.calibrate.main import output_problem
+from proxies.core.collectives import ALGORITHMS
+from proxies.core.machine import load
+
+
+def test_fit_recovers_exact_hockney_times():
+    latency, bandwidth = 2.5e-6, 12e9
+    points = [(s, latency + s / bandwidth) for s in (8, 512, 32768, 1 << 20, 64 << 20)]
+    a, b, residuals = fit_hockney(points)
+    assert math.isclose(a, latency, rel_tol=1e-9) and math.isclose(b, bandwidth, rel_tol=1e-9)
+    assert max(abs(r) for r in residuals) < 1e-9
+
+
+def test_fit_weighs_small_and_large_sizes_alike():
+    # +-5% on every time: both figures stay within 10%. An absolute least squares would
+    # let the 64 MiB time decide: its 5% is 670 us, hundreds of times the latency.
+    latency, bandwidth = 1e-6, 5e9
+    sizes = [8 * 4**k for k in range(12)] + [64 << 20]
+    points = [
+        (s, (latency + s / bandwidth) * (1.05 if k % 2 else 0.95)) for k, s in enumerate(sizes)
+    ]
+    a, b, residuals = fit_hockney(points)
+    assert math.isclose(a, latency, rel_tol=0.1) and math.isclose(b, bandwidth, rel_tol=0.1)
+    assert len(residuals) == len(points) and max(abs(r) for r in residuals) < 0.12
+
+
+def test_output_problems(tmp_path):
+    assert output_problem(str(tmp_path / "m.yaml")) is None
+    assert "no such directory" in output_problem("/nonexistent/dir/x.yaml")
+    assert "is a directory" in output_problem(str(tmp_path))
+
+
+def one_error_line(r, words):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("proxies.calibrate: error: ")
+    for w in words:
+        assert w in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bad_output_path_exits_2_before_measuring():
+    r = run([sys.executable, "-m", "proxies", "calibrate", "-o", "/nonexistent/dir/x.yaml"], 60)
+    one_error_line(r, ["-o /nonexistent/dir/x.yaml: no such directory /nonexistent/dir"])
+    assert "ping-pong" not in r.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "ranks,args,words",
+    [
+        (4, ["--ranks-per-node", "3"], ["--ranks-per-node 3 does not divide the 4 ranks"]),
+        (2, ["--ranks-per-node", "1"], ["every node has one rank"]),
+        (2, ["--ranks-per-node", "0"], ["--ranks-per-node", "positive integer"]),
+    ],
+)
+def test_impossible_layouts_exit_2(tmp_path, ranks, args, words):
+    out = str(tmp_path / "m.yaml")
+    r = mpirun(ranks, "proxies", "calibrate", "-o", out, "--quick", *args, timeout=60)
+    one_error_line(r, words)
+
+
+@pytest.mark.mpi
+def test_quick_run_on_one_node(tmp_path):
+    out = str(tmp_path / "m.yaml")
+    r = mpirun(2, "proxies", "calibrate", "-o", out, "--quick", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "not measured: inter_node" in r.stdout and f"wrote {out}" in r.stdout
+    m = load(out)
+    assert m.inter is None and m.nic_bandwidth is None and "inter_node" in m.unmeasured
+    assert m.ranks_per_node == 2 and m.cores_per_node >= 1 and m.name == "m"
+    assert m.intra.latency > 0 and m.intra.bandwidth > 0
+    assert m.matmul_flops > 0 and m.memory_bandwidth > 0 and m.reduce_bandwidth > 0
+    cal = m.calibration
+    assert set(cal["allreduce"]) == set(ALGORITHMS)
+    assert all(len(rows) == 2 and rows[0][0] == 8 for rows in cal["allreduce"].values())
+    assert len(cal["intra_node"]["points"]) == 7 and cal["intra_node"]["ranks"] == [0, 1]
+    text = open(out).read()
+    assert "# not measured: inter_node" in text and "inter_node:" not in text.split("calib")[0]
+
+
+@pytest.mark.mpi
+def test_quick_run_on_emulated_nodes(tmp_path):
+    out = str(tmp_path / "m.yaml")
+    r = mpirun(
+        4, "proxies", "calibrate", "-o", out, "--quick", "--ranks-per-node", "2", timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    m = load(out)
+    assert m.ranks_per_node == 2 and m.inter is not None and m.nic_bandwidth > 0
+    assert "inter_node" not in m.unmeasured
+    assert m.calibration["nic"]["flows"] == 2  # both ranks of node 1 into node 0
+    assert m.calibration["inter_node"]["ranks"] == [0, 2]
