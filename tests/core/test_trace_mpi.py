@@ -7,7 +7,7 @@ import json
 
 import pytest
 from launch import mpirun
-from test_trace import check_format
+from .test_trace import check_format
 
 from proxies.core import trace
 from proxies.core.schedules import Action, one_f_one_b

@@ -1,6 +1,6 @@
 """--trace without MPI: the predicted timeline (--dry-run --machine) against the prediction's
 own breakdown, the trace's format, the options' refusals, the PNG of python -m proxies
-timeline. The measured timeline under mpiexec is tests/test_trace_mpi.py."""
+timeline. The measured timeline under mpiexec is tests/core/test_trace_mpi.py."""
 
 from __future__ import annotations
 
@@ -126,6 +126,7 @@ DRY = [*GPT2, "--dry-run", "--world-size", "8"]
 ON = ["--machine", "dgx-a100", "--trace", "t.json"]  # a shipped machine, by name
 
 
+@pytest.mark.slow  # each case runs the CLI in a process of its own
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -161,6 +162,7 @@ def test_trace_ranks_parse():
         trace.ranks_of("3", 3)
 
 
+@pytest.mark.slow
 def test_timeline_png(tmp_path):
     pytest.importorskip("matplotlib")
     job, args, pred, doc = predicted(GPT2, 4)
@@ -184,6 +186,7 @@ def test_timeline_png(tmp_path):
     assert bad.returncode == 2 and "rank 7 is not in the trace" in bad.stderr
 
 
+@pytest.mark.slow
 def test_timeline_without_matplotlib_is_one_line_exit_2(tmp_path):
     _, _, _, doc = predicted(GPT2, 4)
     src = tmp_path / "t.json"
