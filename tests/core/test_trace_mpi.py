@@ -7,10 +7,11 @@ import json
 
 import pytest
 from launch import mpirun
-from .test_trace import check_format
 
 from proxies.core import trace
 from proxies.core.schedules import Action, one_f_one_b
+
+from .test_trace import check_format
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI
 
