@@ -50,7 +50,7 @@ ENTRY_POINTS = {
     "proxies.dlrm": (lambda: _module("proxies.dlrm.proxy").parser(), []),
     "proxies.collectives": (lambda: _module("proxies.collectives.bench").parser(), []),
     "proxies.calibrate": (lambda: _module("proxies.calibrate.main").parser(), ["-o", "m.yaml"]),
-    "proxies.gpt2.bench": (lambda: _module("proxies.gpt2.bench").parser(), []),
+    "benchmarks/gpt2_step.py": (lambda: _bench("gpt2_step").parser(), []),
     "proxies.sweep": (lambda: _module("proxies.sweep.runner").parser(), ["s.yaml"]),
     "benchmarks/predict.py": (lambda: _bench("predict").parser(), []),
     "benchmarks/gpt3_comm.py": (lambda: _bench("gpt3_comm").parser(), []),
@@ -93,8 +93,8 @@ ACCEPTED: dict[tuple[str, str], dict[str, float]] = {
         ("proxies.collectives", o): ZERO
         for o in ("--warmup_iters", "--check", "--root", "--per_iter_timing", "--per_iter_skip")
     },
-    ("proxies.gpt2.bench", "--warmup"): ZERO,
-    ("proxies.gpt2.bench", "--seed"): ZERO,
+    ("benchmarks/gpt2_step.py", "--warmup"): ZERO,
+    ("benchmarks/gpt2_step.py", "--seed"): ZERO,
     ("benchmarks/predict.py", "--timeout"): {"2.5": 2.5},
     ("benchmarks/predict.py", "--target"): {"2.5": 2.5},
     ("benchmarks/predict.py", "--tflops"): {"2.5": 2.5},
