@@ -25,7 +25,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setenv("PROXIES_KERNEL_THREADS", "2")
     monkeypatch.setattr(F, "BLOCK", 96)  # several blocks of a few rows each
     monkeypatch.setattr(F, "ADAMW_BLOCK", 96)
-    monkeypatch.setattr(F, "_DW_ELEMS", 3 * C)  # dW through 3-row temporaries
+    monkeypatch.setattr(F, "DW_ELEMS", 3 * C)  # dW through 3-row temporaries
 
 
 def r(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
@@ -185,7 +185,7 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
     are NaN: every one of them must be written, none added to."""
     monkeypatch.setattr(F, "BLOCK", 1 << 12)  # still many blocks over the 3.4M parameters
     monkeypatch.setattr(F, "ADAMW_BLOCK", 1 << 12)
-    monkeypatch.setattr(F, "_DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
+    monkeypatch.setattr(F, "DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
     from proxies.transformer.config import PRESETS
     from proxies.transformer.stage_model import StageModel
 
