@@ -176,7 +176,7 @@ def init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> 
     rng = np.random.default_rng([seed, 1, l])
     out = {}
     names = ATTN_TENSORS if S.moe else LAYER_TENSORS
-    for n in names:  # same order and stream as gpt2's StageModel._init_params
+    for n in names:  # the same order and stream for every tp (and GPT-2)
         t = np.zeros(full[n])
         if n.startswith("ln_") and n.endswith("weight"):
             t.fill(1.0)

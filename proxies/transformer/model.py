@@ -86,7 +86,8 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
         self.valid = max(0, min(self.Vl, cfg.vocab_size - self.lo))  # rows that are not padding
         # The head keeps its slice's (N, Vl) probabilities for the backward when they fit
         # (as GPT-2's classifier keeps dlogits): no second logits matmul.
-        self.keeps_logits = S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
+        head = any(ch.head for ch in self.chunks.values())
+        self.keeps_logits = head and S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
         self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
         self.grads = np.zeros_like(self.params)
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
@@ -512,6 +513,11 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
             adamw(
                 self.eparams, self.egrads, self.em, self.ev, self.t, lr, weight_decay=weight_decay
             )
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Gradients to zero without a pass over them: the next backward writes each one
+        instead of adding to it (they read as stale values until then)."""
         self._written.clear()
 
 
