@@ -31,10 +31,11 @@ def keeps_logits(S: Setup) -> bool:
 
 def saved_state(S: Setup, ch: Chunk) -> int:
     """Bytes of StageShard._alloc for one chunk: its input and residual gradient, per layer
-    the sequence-shard (B,Ts,*) and full-sequence (B,T,*/tp) tensors, the local heads'
+    the sequence-shard (B,Ts,*: ln1, res2, ln2, res3 and 4 statistics) and full-sequence
+    (B,T,*/tp: qkv, atty, and fch, fch_gelu of a dense MLP) tensors, the local heads'
     softmax, the head's statistics, and its kept probabilities and max (N, V/tp + 1)."""
     B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
-    layer = B * (5 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
+    layer = B * (4 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
     layer += B * (S.cfg.n_head // tp) * T * T
     if not S.moe:
         layer += 2 * B * T * 4 * C // tp
@@ -91,7 +92,7 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
     work += weight_temps(S, any(ch.head for ch in chunks))
     moe = S.moe
     dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
-    bufs = S.N * C + tp * 3 * S.N + dispatch + lay.sp_size
+    bufs = S.N * C + tp * 3 * S.N + dispatch + (lay.sp_size if S.sp else 0)
     return {
         "parameters": F32 * n,
         "gradients": F32 * n,
@@ -107,6 +108,7 @@ def estimate(S: Setup, stage: int, dp_rank: int, mode: str, plan: Plan) -> dict[
     """Bytes per part of one rank of `stage` (replica dp_rank) under --compute `mode`."""
     if mode in ("real", "replay"):
         parts = real_parts(S, stage, dp_rank)
-        parts["buffers"] += memory.p2p_buffers(plan)  # StageShard.message, one per key
+        # StageShard.message, one per key; the sent activation is the saved layer output
+        parts["buffers"] += memory.p2p_buffers(plan, ("act_in", "grad_out", "grad_in"))
         return memory.complete(parts, plan)
     return memory.complete({"buffers": BufferPool(plan, S.inflight).nbytes}, plan)

@@ -111,7 +111,7 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
         self.moe_all = np.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
         self.moe_buf = self.moe_all.reshape(sources, -1)[tp_rank if S.sp else 0]
         self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
-        self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
+        self.sp_buf = np.zeros(self.layout.sp_size if S.sp else 0, dtype=self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
         self.saved: dict[tuple[int, int], ChunkActs] = {}  # (mb, chunk) in flight
         self._pool: dict[int, list[ChunkActs]] = {c: [] for c in self.chunks}
