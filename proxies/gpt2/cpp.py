@@ -35,6 +35,7 @@ from proxies.core import cli
 from proxies.core.pipeline import BACKWARD, FORWARD, p2p_batch, p2p_tag
 from proxies.core.plan import Collective, Msg, Op, Span
 from proxies.transformer.config import GPT2Config
+from proxies.transformer.setup import Setup
 
 PRESET = "dnn-cpp-proxies"  # --model: the C++ proxy's sizes, as cosmoflow's and dlrm's
 WIDTHS = "gpt2-large"  # its widths: C = 1280, 20 heads, V = 50257, context 1024
@@ -55,21 +56,14 @@ def layer_messages(cfg: GPT2Config, layers: range, first: bool, last: bool) -> l
     return counts
 
 
-def cpp_ops(
-    cfg: GPT2Config,
-    layers: range,
-    stage: int,
-    pp_ranks: Sequence[int],
-    m: int,
-    act: int,
-    dp: int,
-) -> list[Op]:
+def cpp_ops(S: Setup, stage: int, pp_ranks: Sequence[int]) -> list[Op]:
     """One iteration of one rank, as run_pipeline in gpt2_large.cpp (see the module doc).
 
     Buffers: "act_out"/"act_in"/"grad_in"/"grad_out" per micro-batch as the pipeline's
     (proxies.core.pipeline), and Span("grads", LO, HI) for the allreduces: consecutive ranges of the
     stage's flat gradient buffer, whose size equals the sum of the messages, so the runtime
     of --compute none serves them unchanged."""
+    cfg, layers, m, act, dp = S.cfg, S.split[stage], S.m, S.act, S.dp
     pp = len(pp_ranks)
     first, last = stage == 0, stage == pp - 1
     ops: list[Op] = []

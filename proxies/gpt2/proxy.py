@@ -17,27 +17,18 @@ message for message: no compute, one allreduce per layer, no embedding allreduce
 from __future__ import annotations
 
 import argparse
-import math
-
-import numpy as np
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import Compute, Plan, Span, block_range
+from proxies.core.plan import Plan
 from proxies.gpt2 import SPEC, cpp
 from proxies.transformer import describe, options
-from proxies.transformer.config import (
-    PRESETS,
-    GPT2Config,
-    backward_pieces,
-    layout_size,
-    stage_layout,
-)
-from proxies.transformer.data import batch
-from proxies.transformer.fast import adamw_update
+from proxies.transformer.config import PRESETS, GPT2Config, layout_size, stage_layout
+from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
 from proxies.transformer.plan import gpt2_plan, gpt3_plans
-from proxies.transformer.setup import Setup
+from proxies.transformer.runtime import Runtime
+from proxies.transformer.setup import GPT2_ORDER, Setup
 
 PROG = "proxies.gpt2"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -119,113 +110,6 @@ def stage_params(cfg: GPT2Config, layers: range, first: bool, last: bool) -> int
     return layout_size(stage_layout(cfg, layers, first, last))
 
 
-class GPT2Runtime:
-    """Buffers and compute of one rank: the StageModel for real/replay compute, plain
-    buffers of the right sizes for model/none."""
-
-    def __init__(
-        self,
-        cfg: GPT2Config,
-        layers: range,
-        first: bool,
-        last: bool,
-        args,
-        dp: int,
-        dp_rank: int,
-        source,
-        mode: str,
-    ):
-        B, T, C, m = args.micro_batch, args.seq_len, cfg.n_embd, args.micro_batches
-        self.B, self.T, self.C, self.m, self.dp = B, T, C, m, dp
-        self.first, self.last = first, last
-        self.piece = {
-            name: i for i, (name, _) in enumerate(backward_pieces(cfg, layers, first, last))
-        }
-        self.source, self.lr, self.wd = source, args.lr, args.weight_decay
-        self.dp_rank = dp_rank
-        self.layout = {
-            name: (offset, math.prod(shape))
-            for name, shape, offset in stage_layout(cfg, layers, first, last)
-        }
-        self.model = None
-        if mode in ("real", "replay"):
-            from proxies.transformer.stage_model import StageModel
-
-            self.model = StageModel(cfg, layers, first, last, B, T, seed=args.seed)
-            self.params, self.grads = self.model.params, self.model.grads
-        else:
-            n = stage_params(cfg, layers, first, last)
-            self.grads = np.zeros(n, dtype=np.float32)
-            self.params = np.zeros(n, dtype=np.float32) if args.zero else self.grads
-        # ZeRO-1: this rank's shard of the flat buffer and its AdamW moments.
-        self.zero = args.zero and dp > 1
-        if self.zero:
-            self.shard = slice(*block_range(self.grads.size, dp, dp_rank))
-            size = self.shard.stop - self.shard.start
-            self.moments = np.zeros((2, size), np.float32)  # AdamW m, v of the shard
-            self.steps = 0
-        self.bufs: dict[tuple[str, int], np.ndarray] = {}
-        self.loss_sum, self.loss_count = 0.0, 0
-
-    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
-        if isinstance(name, Span):  # a bucket: a flat range of the gradients
-            return self.grads[name.lo : name.hi]
-        if name in ("grads", "params"):
-            return self.grads if name == "grads" else self.params
-        if name.startswith("grad:"):  # one parameter tensor's gradient, e.g. "grad:wte"
-            offset, size = self.layout[name[5:]]
-            return self.grads[offset : offset + size]
-        buf = self.bufs.get((name, mb))
-        if buf is None:
-            buf = self.bufs[(name, mb)] = np.zeros((self.B, self.T, self.C), dtype=np.float32)
-        return buf
-
-    def compute(self, op: Compute, iteration: int) -> None:
-        model = self.model
-        if op.name == "forward":
-            if self.first:
-                g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
-                x, targets = batch(self.source, g, self.B)
-            else:
-                x = self.buffer("act_in", op.mb, 0)
-            if self.last:
-                g = (iteration * self.dp + self.dp_rank) * self.m * self.B + op.mb * self.B
-                targets = batch(self.source, g, self.B)[1]
-                # Scaled so the data-parallel SUM is the gradient of the global mean loss.
-                self.loss_sum += model.forward(op.mb, x, targets, 1.0 / (self.m * self.dp))
-                self.loss_count += 1
-            else:
-                self.bufs[("act_out", op.mb)] = model.forward(op.mb, x)
-        elif op.name == "backward":
-            dout = None if self.last else self.buffer("grad_out", op.mb, 0)
-            din = model.backward(op.mb, dout)
-            if not self.first:
-                self.bufs[("grad_in", op.mb)] = din
-        elif op.name.startswith("backward:"):  # one piece, e.g. "backward:h.3"
-            i = self.piece[op.name[9:]]
-            dout = None if self.last or i else self.buffer("grad_out", op.mb, 0)
-            din = model.backward_piece(op.mb, i, dout)
-            if i == len(self.piece) - 1 and not self.first:
-                self.bufs[("grad_in", op.mb)] = din
-        elif op.name == "optimizer":
-            if self.zero:
-                self.steps += 1
-                sh, (m, v) = self.shard, self.moments
-                adamw_update(
-                    self.params[sh], self.grads[sh], m, v, self.steps, self.lr, weight_decay=self.wd
-                )
-            else:
-                model.step(self.lr, self.wd)
-            model.zero_grad()
-        else:
-            raise ValueError(f"unknown compute op {op.name}")
-
-    def finish_iteration(self, iteration: int) -> tuple[float, int]:
-        out = (self.loss_sum, self.loss_count)
-        self.loss_sum, self.loss_count = 0.0, 0
-        return out
-
-
 def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """The options checked against each other and the world size, as one frozen Setup (tp =
     v = 1, no sequence parallelism or MoE); UsageError names the rule."""
@@ -286,6 +170,15 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         sync="zero1" if args.zero else args.grad_sync,
         bucket_mb=bucket_mb,
         **cp_fields,
+        # --cp > 1 plans as gpt3 at tp 1: gpt3's layout and in-flight bucket cap
+        **(
+            {}
+            if cp_fields.get("cp", 1) > 1
+            else {"inflight": 0, "param_order": GPT2_ORDER}  # buckets each their own buffer
+        ),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
     )
     return S, grid
 
@@ -322,11 +215,10 @@ def sync_text(S: Setup) -> str:
 
 def make_job(args, world: int) -> runner.Job:
     S, grid = resolve(args, world)
-    cfg, split, pp, dp, m, T = S.cfg, list(S.split), S.pp, S.dp, S.m, S.T
+    cfg, split, pp = S.cfg, list(S.split), S.pp
     parity = S.schedule == "cpp"
     # The C++ schedule trains nothing: no data.
-    source = options.token_source(args, cfg.vocab_size, T, needed=not parity)
-    act = S.act
+    source = options.token_source(args, cfg.vocab_size, S.T, needed=not parity)
     cp_plan = gpt3_plans(S, grid, S.schedule) if S.cp > 1 else None
 
     def plan(rank: int) -> Plan:
@@ -334,9 +226,8 @@ def make_job(args, world: int) -> runner.Job:
             return cp_plan(rank)
         if parity:
             c = grid.coords(rank)
-            s = c["pp"]
             groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
-            ops = cpp.cpp_ops(cfg, split[s], s, groups["pp"], m, act, dp)
+            ops = cpp.cpp_ops(S, c["pp"], groups["pp"])
             return Plan(rank, tuple(ops), groups, c)
         return gpt2_plan(S, grid, rank)
 
@@ -348,12 +239,7 @@ def make_job(args, world: int) -> runner.Job:
 
     def runtime(rank, MPI, comms, mode):
         c = grid.coords(rank)
-        s = c["pp"]
-        if S.cp > 1:  # compute model/none: the BufferPool of GPT-3's runtime
-            from proxies.gpt3.proxy import GPT3Runtime
-
-            return GPT3Runtime(S, plan(rank), s, 0, 0, c["dp"], args, source, mode)
-        return GPT2Runtime(cfg, split[s], s == 0, s == pp - 1, args, dp, c["dp"], source, mode)
+        return Runtime(S, plan(rank), c["pp"], 0, 0, c["dp"], source, mode)
 
     own = {"grad_sync": args.grad_sync, "bucket_mb": S.bucket_mb, "zero": S.zero}
     config = describe.config(S, grid, args, own, data="none" if parity else "synthetic")
@@ -370,29 +256,12 @@ def make_job(args, world: int) -> runner.Job:
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=GRAD_CATEGORIES,
-        memory=lambda rank, plan: (
-            cp_memory(S, grid, args, plan, rank)
-            if S.cp > 1
-            else estimate_memory(cfg, split, grid, args, plan, rank)
+        memory=lambda rank, plan: estimate_memory(
+            S, grid.coords(rank)["pp"], grid.coords(rank)["dp"], args.compute, plan
         ),
         categories=SPEC.categories,
         short=SPEC.short,
     )
-
-
-def cp_memory(S: Setup, grid, args, plan: Plan, rank: int) -> dict[str, int]:
-    """--cp > 1 (compute model/none): GPT-3's estimate, the BufferPool of the plan."""
-    from proxies.gpt3.memory import estimate
-
-    return estimate(S, grid.coords(rank)["pp"], S.schedule, args.compute, plan)
-
-
-def estimate_memory(cfg, split, grid, args, plan: Plan, rank: int) -> dict[str, int]:
-    from proxies.gpt2.memory import estimate
-
-    c = grid.coords(rank)
-    s, dp = c["pp"], grid.degree("dp")
-    return estimate(cfg, split[s], s, len(split), dp, c["dp"], args, plan)
 
 
 # Gradient reductions (--grad-dtype); the rest, ZeRO's parameter allgather included, is --dtype.

@@ -27,20 +27,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections import defaultdict
-
-import numpy as np
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import P2P, Collective, Compute, Plan
+from proxies.core.plan import Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt3 import SPEC
-from proxies.gpt3.memory import estimate as estimate_memory
 from proxies.transformer import describe, options
-from proxies.transformer.data import batch
 from proxies.transformer.layout import Layout
-from proxies.transformer.plan import gpt3_plans, reductions
+from proxies.transformer.memory import estimate as estimate_memory
+from proxies.transformer.plan import gpt3_plans
+from proxies.transformer.runtime import BufferPool, Runtime
 from proxies.transformer.setup import (
     DEFAULT_MODEL,
     PRESETS,
@@ -312,6 +309,9 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         model=args.model,
         schedule=schedule,
         **cp_fields,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
     )
     try:
         SCHEDULES[schedule](pp, m, 0, v)
@@ -325,139 +325,6 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     except ValueError as e:
         raise err(str(e)) from None
     return S, grid
-
-
-# ----------------------------------------------------------------------------------------
-# runtime
-
-
-class BufferPool:
-    """Reusable buffers for compute model/none: no parameters, every message a view into a
-    few arrays, each sized by the largest message that uses it (found in the plan):
-    one per pipeline direction, one for all blocking collectives (they never overlap), and
-    one per in-flight gradient bucket (the plan waits before reusing one)."""
-
-    P2P_SLOTS = ("act_in", "act_out", "grad_out", "grad_in")
-
-    def __init__(self, plan: Plan, inflight: int):
-        self.slot_of: dict[tuple[str, int], str] = {}
-        size: dict[str, int] = defaultdict(int)
-        self.p2p = set(self.P2P_SLOTS)  # and the context-parallel ring's (cp_kv_in ...)
-        posted = 0
-        for op in plan.ops:
-            if isinstance(op, P2P):
-                for msg in op.sends + op.recvs:
-                    size[msg.buf] = max(size[msg.buf], msg.count)
-                    self.p2p.add(msg.buf)
-            elif isinstance(op, Collective):
-                if op.req:
-                    slot = f"grad{posted % inflight if inflight else posted}"
-                    posted += 1
-                else:
-                    slot = "grad0" if op.buf == "wte_grad" else "coll"
-                self.slot_of[(op.buf, op.mb)] = slot
-                size[slot] = max(size[slot], op.count)
-        self.size = dict(size)
-        self.arrays: dict[str, np.ndarray] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * sum(self.size.values())
-
-    def get(self, name: str, mb: int, count: int | None = None) -> np.ndarray:
-        slot = name if name in self.p2p else self.slot_of[(name, mb)]
-        arr = self.arrays.get(slot)
-        if arr is None:  # zeros: calloc'd, pages appear as messages touch them
-            arr = self.arrays[slot] = np.zeros(self.size[slot], dtype=np.float32)
-        return arr if count is None else arr[:count]
-
-
-class GPT3Runtime:
-    """Buffers and compute of one rank: a StageShard for real/replay compute, a BufferPool
-    for model/none."""
-
-    def __init__(
-        self,
-        S: Setup,
-        plan: Plan,
-        stage: int,
-        tp_rank: int,
-        ep_rank: int,
-        dp_rank: int,
-        args,
-        source,
-        mode: str,
-    ):
-        self.S, self.plan, self.dp_rank, self.source = S, plan, dp_rank, source
-        self.lr, self.wd = args.lr, args.weight_decay
-        self.counts = {(op.buf, op.mb): op.count for op in plan.ops if isinstance(op, Collective)}
-        # the context-parallel ring's messages (pipeline messages are S.act)
-        self.counts.update({(m.buf, m.mb): m.count for _, m, _ in plan.messages()})
-        self.model = self.pool = None
-        self.layout = Layout(S, stage)
-        self.ranges = {}
-        for k, (_, units, _) in enumerate(reductions(S, self.layout)):
-            lo_d, hi_d = min(u.dense[0] for u in units), max(u.dense[1] for u in units)
-            lo_e, hi_e = min(u.expert[0] for u in units), max(u.expert[1] for u in units)
-            self.ranges[("dpgrad", k)] = (lo_d, hi_d)
-            self.ranges[("edpgrad", k)] = (lo_e, hi_e)
-        if mode in ("real", "replay"):
-            from proxies.transformer.model import StageShard
-
-            self.model = StageShard(S, stage, tp_rank, ep_rank, seed=args.seed)
-            self.model.loss_scale = 1.0 / (S.m * S.dp)
-        else:
-            self.pool = BufferPool(plan, S.inflight)
-        self.iteration = 0
-        self.loss_sum, self.loss_count = 0.0, 0
-
-    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
-        model = self.model
-        if model is None:
-            count = self.S.act if name in BufferPool.P2P_SLOTS else self.counts[(name, mb)]
-            return self.pool.get(name, mb, count)
-        if name in BufferPool.P2P_SLOTS:
-            return model.message(name, mb, chunk)
-        if name in ("dpgrad", "edpgrad"):
-            lo, hi = self.ranges[(name, mb)]
-            return (model.grads if name == "dpgrad" else model.egrads)[lo:hi]
-        if name == "wte_grad":
-            lo, hi = self.layout.wte
-            return model.grads[lo:hi]
-        return {
-            "tp": model.tp_buf,
-            "ce": model.ce_buf,
-            "moe": model.moe_buf,
-            "moe_tp": model.moe_all,
-            "moe_dscore": model.dscore_buf,
-            "sp_grads": model.sp_buf,
-        }[name]
-
-    def _batch(self, mb: int):
-        S = self.S
-        g = (self.iteration * S.dp + self.dp_rank) * S.m * S.B + mb * S.B
-        return batch(self.source, g, S.B)
-
-    def compute(self, op: Compute, iteration: int) -> None:
-        model = self.model
-        self.iteration = iteration
-        model.batch = self._batch
-        if op.name == "optimizer":
-            model.step(self.lr, self.wd)
-        elif op.name == "sp_pack":
-            model.sp_pack()
-        elif op.name == "sp_unpack":
-            model.sp_unpack()
-        else:
-            loss = model.compute(op.name, op.mb, op.chunk)
-            if loss is not None:
-                self.loss_sum += loss
-                self.loss_count += 1
-
-    def finish_iteration(self, iteration: int) -> tuple[float, int]:
-        out = (self.loss_sum, self.loss_count)
-        self.loss_sum, self.loss_count = 0.0, 0
-        return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -483,7 +350,7 @@ def make_job(args, world: int) -> runner.Job:
         c = grid.coords(rank)
         ep_rank = c.get("ep", 0)
         dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
-        return GPT3Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, args, source, mode)
+        return Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, source, mode)
 
     config = describe.config(S, grid, args, own_config(S), data="synthetic")
     header = describe.header(
@@ -514,7 +381,7 @@ def make_job(args, world: int) -> runner.Job:
         fold=("tp", "dp"),
         setup=S,  # for the dry run
         memory=lambda rank, plan: estimate_memory(
-            S, grid.coords(rank)["pp"], schedule, args.compute, plan
+            S, grid.coords(rank)["pp"], 0, args.compute, plan
         ),
         categories=SPEC.categories,
         short=SPEC.short,

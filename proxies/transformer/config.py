@@ -108,7 +108,7 @@ def layout_size(layout: list[tuple[str, tuple[int, ...], int]]) -> int:
 def backward_pieces(
     cfg: GPT2Config, layers: range, first: bool, last: bool
 ) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
-    """A stage's backward in pieces, in backward order (as StageModel.pieces): (name, the
+    """A stage's backward in pieces, in backward order (as StageShard.pieces, whole.py): (name, the
     flat [lo, hi) ranges of the gradients complete after that piece and not before).
 
     "head" (last stage): ln_f, and wte unless the stage is also first (then the encoder adds

@@ -52,7 +52,14 @@ DLOGITS_BUDGET = 1 << 28
 
 # Elements of the temporary through which weight gradients accumulate: 16 MiB of float32,
 # a whole layer weight of GPT-2 XL (6400 x 1600); the LM head's V x C goes in row blocks.
-_DW_ELEMS = 1 << 22
+DW_ELEMS = 1 << 22
+
+
+def dw_temp_elems(shape: tuple[int, int]) -> int:
+    """Elements of the temporary a weight gradient of `shape` (M, N) accumulates through
+    (_add_at_b keeps one per shape): whole rows, at most DW_ELEMS elements (at least a row)."""
+    M, N = shape
+    return min(M, max(1, DW_ELEMS // N)) * N
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,13 +228,13 @@ def _temp(shape: tuple[int, ...], dtype) -> np.ndarray:
 def _add_at_b(out: np.ndarray, a: np.ndarray, b: np.ndarray, fresh: bool = False) -> None:
     """out (M,N) += a.T (M,K) @ b (K,N); fresh: out = a.T @ b (out holds zeros or junk).
 
-    One matmul into a kept temporary, then one add; beyond _DW_ELEMS elements (the LM
+    One matmul into a kept temporary, then one add; beyond DW_ELEMS elements (the LM
     head's V x C) in blocks of rows, so the temporary stays that small."""
     if fresh:
         np.matmul(a.T, b, out=out)
         return
     M, N = out.shape
-    rows = max(1, min(M, _DW_ELEMS // N))
+    rows = max(1, min(M, DW_ELEMS // N))
     tmp = _temp((rows, N), out.dtype)
     for i in range(0, M, rows):
         j = min(i + rows, M)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proxies.transformer import fast
 from proxies.transformer.kernels import CLASSIFIER_CHUNK
 from proxies.transformer.setup import Chunk
 from proxies.transformer.state import ChunkActs
@@ -58,17 +59,26 @@ class HeadPieces:
         tl.fill(0)
         W = self.w["wte"][: self.valid]
         for i, n, logits in self._logit_chunks(x, W, st.probs):
-            rows = np.arange(n)
-            tt = t[i : i + n]
-            mine = (tt >= 0) & (tt < self.valid)
-            tl[i : i + n][mine] = logits[rows[mine], tt[mine]]
-            m = logits.max(axis=1) if self.valid else np.full(n, -np.inf, self.dtype)
-            mx[i : i + n] = m
-            logits -= m[:, None]
-            np.exp(logits, out=logits)  # kept in st.probs when it fits
-            se[i : i + n] = logits.sum(axis=1)
+
+            def stats_of(lo: int, hi: int, i: int = i, logits: np.ndarray = logits) -> None:
+                z, a, b = logits[lo:hi], i + lo, i + hi
+                tt = t[a:b]
+                mine = (tt >= 0) & (tt < self.valid)
+                tl[a:b][mine] = z[np.arange(hi - lo)[mine], tt[mine]]
+                m = z.max(axis=1) if self.valid else np.full(hi - lo, -np.inf, self.dtype)
+                mx[a:b] = m
+                z -= m[:, None]
+                np.exp(z, out=z)  # kept in st.probs when it fits
+                se[a:b] = z.sum(axis=1)
+
+            self._rows(stats_of, n)
         if st.mx is not None:
             st.mx[...] = mx
+
+    def _rows(self, fn, n: int) -> None:
+        """fn(lo, hi) over blocks of n logit rows, on the kernels' worker threads (rows are
+        independent: the same result however they are cut)."""
+        fast.blocked(fn, n, max(1, fast.BLOCK // max(1, self.valid) * 4), 1)
 
     def _logit_chunks(self, x: np.ndarray, W: np.ndarray, into: np.ndarray | None = None):
         """(first row, rows, logits (rows, V held)) over row chunks of x (bounded memory);
@@ -113,19 +123,24 @@ class HeadPieces:
         fresh = self._fresh("wte")
         if fresh:  # padding rows get no gradient
             self.g["wte"][self.valid :] = 0
-        if st.probs is not None:  # softmax = exp(logits - mx) * exp(mx - lse): no matmul
-            chunks = [(0, S.N, st.probs)]
-            st.probs *= (np.exp(st.mx - lse) * scale)[:, None]  # mx -inf: no rows held
-        else:
-            chunks = self._logit_chunks(x, W)
+        kept = st.probs is not None
+        # softmax = exp(logits - mx) * exp(mx - lse): from the kept probabilities, no matmul
+        chunks = [(0, S.N, st.probs)] if kept else self._logit_chunks(x, W)
         for i, n, dlogits in chunks:
-            if st.probs is None:
-                dlogits -= lse[i : i + n, None]
-                np.exp(dlogits, out=dlogits)
-                dlogits *= scale
-            tt = t[i : i + n]
-            mine = (tt >= 0) & (tt < self.valid)
-            dlogits[np.arange(n)[mine], tt[mine]] -= scale
+
+            def dlogits_of(lo: int, hi: int, i: int = i, dlogits: np.ndarray = dlogits) -> None:
+                z, a, b = dlogits[lo:hi], i + lo, i + hi
+                if kept:
+                    z *= (np.exp(st.mx[a:b] - lse[a:b]) * scale)[:, None]  # mx -inf: none held
+                else:
+                    z -= lse[a:b, None]
+                    np.exp(z, out=z)
+                    z *= scale
+                tt = t[a:b]
+                mine = (tt >= 0) & (tt < self.valid)
+                z[np.arange(hi - lo)[mine], tt[mine]] -= scale
+
+            self._rows(dlogits_of, n)
             # out rows written, dW (V held, C) through the kernels' row blocks
             self.k.matmul_backward(
                 out[i : i + n], dW, None, dlogits, x[i : i + n], W, True, fresh and i == 0

@@ -91,10 +91,13 @@ class Unit:
 class Layout:
     """Where each tensor of a rank lives in its two flat arrays (dense, expert).
 
-    Per chunk: the extra tensors first (wte shard, wpe, ln_f; on the chunk that finishes them
-    last: the embedding chunk, else the head chunk), then its layers bottom to top. A
-    gradient bucket, consecutive units in backward order, is then one contiguous range.
-    `units` lists each chunk's units in the order its backward completes them.
+    Per chunk, the sections of S.param_order: the extra tensors (wte shard, wpe, ln_f; on
+    the chunk that finishes them last: the embedding chunk, else the head chunk) and the
+    chunk's layers bottom to top. GPT-3 puts the extras first, so a gradient bucket,
+    consecutive units in backward order, is one contiguous range; GPT-2 puts ln_f last
+    (config.stage_layout, whose offsets its plans name), and its extras then make two units:
+    wte and wpe (layer -1), ln_f (layer -2). `units` lists each chunk's units in the order
+    its backward completes them.
     """
 
     def __init__(self, S: Setup, stage: int) -> None:
@@ -107,43 +110,62 @@ class Layout:
         self.units: list[Unit] = []
         self.sp_ranges: list[tuple[int, int]] = []
         self.wte: tuple[int, int] | None = None
-        d = e = 0
+        self.d = self.e = 0
         dense_layer, expert_layer = layer_tensors(S)
+        embed = any(c.embed for c in self.chunks)
+        head = any(c.head for c in self.chunks)
+        sections = {
+            "wte": [("wte", (S.vocab // S.tp, C))],
+            "wpe": [("wpe", (S.cfg.max_seq_len, C))] if embed else [],
+            "ln_f": [("ln_f.weight", (C,)), ("ln_f.bias", (C,))] if head else [],
+        }
         for ch in self.chunks:
-            units: list[Unit] = []
-            if ch is owner:
-                extra = [("wte", (S.vocab // S.tp, C))]
-                if any(c.embed for c in self.chunks):
-                    extra.append(("wpe", (S.cfg.max_seq_len, C)))
-                if any(c.head for c in self.chunks):
-                    extra += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
-                start = d
-                for name, shape in extra:
-                    if name == "wte":
-                        self.wte = (d, d + math.prod(shape))
-                    if name.startswith("ln_f"):
-                        self.sp_ranges.append((d, d + math.prod(shape)))
-                    self.dense.append((name, shape, d))
-                    d += math.prod(shape)
-                extra_unit = Unit(ch.index, -1, (start, d), (e, e))
-            for l in ch.layers:
-                d0, e0 = d, e
-                for name, shape in dense_layer:
-                    size = math.prod(shape)
-                    if name in SP_PARTIAL:
-                        self.sp_ranges.append((d, d + size))
-                    self.dense.append((f"h.{l}.{name}", shape, d))
-                    d += size
-                for name, shape in expert_layer:
-                    self.expert.append((f"h.{l}.{name}", shape, e))
-                    e += math.prod(shape)
-                units.append(Unit(ch.index, l, (d0, d), (e0, e)))
-            units.reverse()  # backward completes the top layer first
-            if ch is owner:
-                units.append(extra_unit)
+            layers: list[Unit] = []
+            e0 = self.e  # the extras hold no expert tensors: an empty range at the chunk's start
+            extras: list[tuple[int, int]] = []  # runs of consecutive extra tensors
+            for section in S.param_order:
+                if section == "layers":
+                    layers = [
+                        self._layer(ch.index, l, dense_layer, expert_layer) for l in ch.layers
+                    ]
+                elif ch is owner and sections[section]:
+                    start = self.d
+                    for name, shape in sections[section]:
+                        self._extra(name, shape)
+                    if extras and extras[-1][1] == start:
+                        extras[-1] = (extras[-1][0], self.d)
+                    else:
+                        extras.append((start, self.d))
+            units = layers[::-1]  # backward completes the top layer first
+            if len(extras) == 2:  # GPT-2's order: ln_f completes in the head's backward
+                units.insert(0, Unit(ch.index, -2, extras[1], (e0, e0)))
+            if extras:
+                units.append(Unit(ch.index, -1, extras[0], (e0, e0)))
             self.units += units
-        self.dense_size, self.expert_size = d, e
+        self.dense_size, self.expert_size = self.d, self.e
         self.sp_size = sum(b - a for a, b in self.sp_ranges)
+
+    def _extra(self, name: str, shape: tuple) -> None:
+        size = math.prod(shape)
+        if name == "wte":
+            self.wte = (self.d, self.d + size)
+        if name.startswith("ln_f"):
+            self.sp_ranges.append((self.d, self.d + size))
+        self.dense.append((name, shape, self.d))
+        self.d += size
+
+    def _layer(self, chunk: int, l: int, dense_layer: list, expert_layer: list) -> Unit:
+        d0, e0 = self.d, self.e
+        for name, shape in dense_layer:
+            size = math.prod(shape)
+            if name in SP_PARTIAL:
+                self.sp_ranges.append((self.d, self.d + size))
+            self.dense.append((f"h.{l}.{name}", shape, self.d))
+            self.d += size
+        for name, shape in expert_layer:
+            self.expert.append((f"h.{l}.{name}", shape, self.e))
+            self.e += math.prod(shape)
+        return Unit(chunk, l, (d0, self.d), (e0, self.e))
 
 
 def init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> dict:
@@ -154,7 +176,7 @@ def init_layer(S: Setup, l: int, seed: int, tp: int, r: int, experts: range) -> 
     rng = np.random.default_rng([seed, 1, l])
     out = {}
     names = ATTN_TENSORS if S.moe else LAYER_TENSORS
-    for n in names:  # same order and stream as gpt2's StageModel._init_params
+    for n in names:  # the same order and stream for every tp (and GPT-2)
         t = np.zeros(full[n])
         if n.startswith("ln_") and n.endswith("weight"):
             t.fill(1.0)

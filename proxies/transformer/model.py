@@ -45,20 +45,22 @@ from types import ModuleType
 import numpy as np
 
 from proxies.transformer import fast
-from proxies.transformer.config import normal
+from proxies.transformer.config import GPT2Config, normal
 from proxies.transformer.head import HeadPieces
 from proxies.transformer.layout import Layout, init_layer
 from proxies.transformer.moe import MoEPieces
-from proxies.transformer.setup import Chunk, Setup
+from proxies.transformer.setup import GPT2_ORDER, Chunk, Setup
 from proxies.transformer.sp import SequenceParallelPieces
 from proxies.transformer.state import ChunkActs, LayerActs
+from proxies.transformer.whole import WholeStage
 
 
-class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
+class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
     """The real compute of one rank: its chunks' layers, TP rank r's shard of each tensor.
 
     compute(name, mb, chunk) runs one piece ("fwd_attn:5", "bwd_head" ...); pieces of one
     (micro-batch, chunk) run in plan order, with the plan's collectives between them.
+    GPT-2's whole-stage forward / backward / backward_piece (whole.py) run them back to back.
     """
 
     def __init__(
@@ -84,7 +86,8 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
         self.valid = max(0, min(self.Vl, cfg.vocab_size - self.lo))  # rows that are not padding
         # The head keeps its slice's (N, Vl) probabilities for the backward when they fit
         # (as GPT-2's classifier keeps dlogits): no second logits matmul.
-        self.keeps_logits = S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
+        head = any(ch.head for ch in self.chunks.values())
+        self.keeps_logits = head and S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
         self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
         self.grads = np.zeros_like(self.params)
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
@@ -108,7 +111,7 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
         self.moe_all = np.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
         self.moe_buf = self.moe_all.reshape(sources, -1)[tp_rank if S.sp else 0]
         self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
-        self.sp_buf = np.zeros(self.layout.sp_size, dtype=self.dtype)
+        self.sp_buf = np.zeros(self.layout.sp_size if S.sp else 0, dtype=self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
         self.saved: dict[tuple[int, int], ChunkActs] = {}  # (mb, chunk) in flight
         self._pool: dict[int, list[ChunkActs]] = {c: [] for c in self.chunks}
@@ -127,9 +130,13 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
     def _init_params(self, seed: int) -> None:
         S, w, C = self.S, self.w, self.S.cfg.n_embd
         if "wte" in w:  # full (V, C) as gpt2 draws it, then this rank's rows
-            full = np.zeros((S.cfg.vocab_size, C), dtype=self.dtype)
-            normal(full, np.random.default_rng([seed, 0, 0]), 0.02)
-            w["wte"][: self.valid] = full[self.lo : self.lo + self.valid]
+            rng = np.random.default_rng([seed, 0, 0])
+            if self.lo == 0 and self.valid == S.cfg.vocab_size:  # all of it: in place
+                normal(w["wte"][: self.valid], rng, 0.02)
+            else:
+                full = np.zeros((S.cfg.vocab_size, C), dtype=self.dtype)
+                normal(full, rng, 0.02)
+                w["wte"][: self.valid] = full[self.lo : self.lo + self.valid]
         if "wpe" in w:
             normal(w["wpe"], np.random.default_rng([seed, 0, 1]), 0.02)
         if "ln_f.weight" in w:
@@ -192,6 +199,7 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
         st = self.saved.get(key)
         if st is None:
             st = self.saved[key] = self._pool[c].pop() if self._pool[c] else self._alloc(c)
+            st.at = None
         return st
 
     def _alloc(self, c: int) -> ChunkActs:
@@ -360,10 +368,23 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
 
     def _layer_dres(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> np.ndarray:
         """dL/d(layer l's output): the chunk's top gradient, or layer l+1's ln1 backward."""
-        if l == ch.layers[-1]:
-            return self._dres_top(st, ch, mb)
-        self._finish_ln1(st, l + 1)
+        self._bwd_settle(st, ch, mb, l + 1)
         return st.dres
+
+    def _bwd_settle(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
+        """Make st.dres dL/d(input of layer l) (l = the top layer + 1: the chunk's output
+        gradient): the layernorm backward (ln_1 of layer l, or ln_f) a piece leaves to the
+        next one, because its partial input gradient is reduced over TP between them. Also
+        a piece of its own, run straight after, where no collective sits between and a
+        piece's gradients must be final when it ends (GPT-2's whole-stage pieces, whole.py).
+        Runs once: the next piece then finds it done."""
+        if st.at == l:
+            return
+        if l == ch.layers[-1] + 1:
+            self._dres_top(st, ch, mb)
+        else:
+            self._finish_ln1(st, l)
+        st.at = l
 
     def _bwd_mlp(self, st: ChunkActs, ch: Chunk, mb: int, l: int) -> None:
         """fcproj, GELU and fc backward: partial dln2 into tp_buf for the allreduce."""
@@ -453,7 +474,7 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
     def _bwd_end(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """ln1 backward of the chunk's bottom layer, then the embedding backward or the
         input gradient for the previous stage."""
-        self._finish_ln1(st, ch.layers[0])
+        self._bwd_settle(st, ch, mb, ch.layers[0])
         if ch.embed:
             self._embed_backward(st, ch, mb, st.dres)
         else:
@@ -473,17 +494,69 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces):
             self.grads[lo:hi] = self.sp_buf[i : i + hi - lo]
             i += hi - lo
 
-    def step(self, lr: float, weight_decay: float = 0.0) -> None:
-        """AdamW over both flat arrays; the next iteration's backward writes the gradients
-        afresh (no zeroing pass)."""
+    def step(self, lr: float, weight_decay: float = 0.0, part: slice | None = None) -> None:
+        """AdamW over both flat arrays, or (ZeRO-1) over `part` of the dense one only, the
+        moments that part's size; the next iteration's backward writes the gradients afresh
+        (no zeroing pass)."""
+        part = part or slice(0, self.params.size)
+        if part.stop - part.start < self.params.size and self.eparams.size:
+            raise ValueError("a partial (ZeRO-1) step of expert parameters is not supported")
         if self.m is None:
-            self.m, self.v = np.zeros_like(self.params), np.zeros_like(self.params)
+            n = part.stop - part.start
+            self.m, self.v = np.zeros(n, self.dtype), np.zeros(n, self.dtype)
             self.em, self.ev = np.zeros_like(self.eparams), np.zeros_like(self.eparams)
         self.t += 1
         adamw = self.k.adamw_update
-        adamw(self.params, self.grads, self.m, self.v, self.t, lr, weight_decay=weight_decay)
+        p, g = self.params[part], self.grads[part]
+        adamw(p, g, self.m, self.v, self.t, lr, weight_decay=weight_decay)
         if self.eparams.size:
             adamw(
                 self.eparams, self.egrads, self.em, self.ev, self.t, lr, weight_decay=weight_decay
             )
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Gradients to zero without a pass over them: the next backward writes each one
+        instead of adding to it (they read as stale values until then)."""
         self._written.clear()
+
+
+# ----------------------------------------------------------------------------------------
+# GPT-2 stages at tp = 1
+
+
+def gpt2_stage(
+    cfg: GPT2Config,
+    layers: range,
+    first: bool,
+    last: bool,
+    B: int,
+    T: int,
+    seed: int = 0,
+    dtype=np.float32,
+    kernels: ModuleType = fast,
+) -> StageShard:
+    """A GPT-2 pipeline stage as the gpt2 proxy builds it (tp = 1, the true vocabulary,
+    config.stage_layout's offsets): `layers`, plus the embedding if `first`, ln_f and the
+    tied LM head if `last`. Drive it with forward / backward (whole.py), self.batch and the
+    act_in / grad_out messages."""
+    if B <= 0 or not 0 < T <= cfg.max_seq_len:
+        raise ValueError(
+            f"need B > 0 and 0 < T <= max_seq_len = {cfg.max_seq_len}, got B={B} T={T}"
+        )
+    if not len(layers) or layers[0] < 0 or layers[-1] >= cfg.n_layer:
+        raise ValueError(f"layers {layers} not a nonempty range within 0..{cfg.n_layer - 1}")
+    none = range(layers.stop, layers.stop)
+    split = ((none,) if not first else ()) + (layers,) + ((none,) if not last else ())
+    S = Setup(
+        cfg, B, T, 1, tp=1, pp=len(split), dp=1, v=1, sp=False, vocab=cfg.vocab_size,
+        split=split, param_order=GPT2_ORDER, seed=seed,
+    )  # fmt: skip
+    return StageShard(S, 0 if first else 1, seed=seed, dtype=dtype, kernels=kernels)
+
+
+def full_model(
+    cfg: GPT2Config, B: int, T: int, seed: int = 0, dtype=np.float32, kernels: ModuleType = fast
+) -> StageShard:
+    """The whole GPT-2 model in one process (tp = pp = 1): every layer, embedding and head."""
+    return gpt2_stage(cfg, range(cfg.n_layer), True, True, B, T, seed, dtype, kernels)

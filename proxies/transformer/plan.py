@@ -1,8 +1,8 @@
 """The GPT plans, written once: per virtual stage the forward and backward of one
 micro-batch as typed pieces (the compute pieces of model.py and the tensor-/expert-parallel
 collectives between them, as Megatron-LM issues them), each rank's plan built from them
-(GPT-3's tensor-parallel StageShard; GPT-2's whole-stage StageModel), and the gradient sync
-lowered by core/grads.py."""
+(GPT-3's pieces of the tensor-parallel StageShard; GPT-2's whole stages, whole.py), and the
+gradient sync lowered by core/grads.py."""
 
 from __future__ import annotations
 
@@ -477,7 +477,7 @@ def gpt3_plans(S: Setup, grid: ProcessGrid, schedule: str):
 
 
 # ----------------------------------------------------------------------------------------
-# GPT-2: whole stages (StageModel), pipeline x data parallelism
+# GPT-2: whole stages (StageShard's whole.py), pipeline x data parallelism
 
 
 def gpt2_sync(

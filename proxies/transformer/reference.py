@@ -1,9 +1,9 @@
-"""GPT-2 in PyTorch eager, the reference the NumPy StageModel is timed and checked against.
+"""GPT-2 in PyTorch eager, the reference the NumPy model (StageShard) is timed and checked against.
 
 Letters as in config.py: B batch, T time, C channels, NH heads, hs = C / NH, V vocabulary.
 The same math as proxies/transformer/kernels.py: layernorm eps 1e-5, GELU with the tanh
 approximation, causal attention with q, k, v side by side in c_attn's output, the LM head
-tied to wte, loss = mean cross-entropy over B*T. Parameters are named as StageModel.views
+tied to wte, loss = mean cross-entropy over B*T. Parameters are named as StageShard.w
 (nanoGPT / the HF checkpoint), weights (OC, C) with out = x @ W.T, so `from_stage` copies
 them one to one. Written for speed in eager mode: F.linear, F.layer_norm and
 F.scaled_dot_product_attention (PyTorch's fused CPU attention), no torch.compile.
@@ -39,7 +39,7 @@ class GPT2(nn.Module):
         ]
 
     def named(self) -> dict[str, nn.Parameter]:
-        """Parameters under StageModel's names ("h.0.attn.c_attn.weight", ...)."""
+        """Parameters under StageShard's names ("h.0.attn.c_attn.weight", ...)."""
         names = ["wte", "wpe"]
         names += [f"h.{l}.{n}" for l in range(self.cfg.n_layer) for n in layer_shapes(1)]
         names += ["ln_f.weight", "ln_f.bias"]
@@ -47,11 +47,11 @@ class GPT2(nn.Module):
 
     @classmethod
     def from_stage(cls, model) -> GPT2:
-        """A copy of a whole-model StageModel's parameters (float32)."""
-        ref = cls(model.cfg)
+        """A copy of a whole-model StageShard's parameters (float32)."""
+        ref = cls(model.S.cfg)
         with torch.no_grad():
             for name, p in ref.named().items():
-                p.copy_(torch.from_numpy(np.ascontiguousarray(model.views[name])))
+                p.copy_(torch.from_numpy(np.ascontiguousarray(model.w[name])))
         return ref
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _attr(name: str) -> str:
 
 
 def adamw(model: GPT2, lr: float, fused: bool = True) -> torch.optim.Optimizer:
-    """AdamW as StageModel.step: beta1 0.9, beta2 0.999, eps 1e-8, no weight decay.
+    """AdamW as StageShard.step: beta1 0.9, beta2 0.999, eps 1e-8, no weight decay.
 
     fused=True: one C++ loop over every tensor, PyTorch's fastest CPU AdamW; False: what
     torch.optim.AdamW gives without flags (on the CPU a per-tensor loop of tensor ops)."""

@@ -103,6 +103,11 @@ class Chunk:
     head: bool
 
 
+# Setup.param_order's two values (layout.Layout reads them).
+EXTRAS_FIRST = ("wte", "wpe", "ln_f", "layers")  # GPT-3, Megatron's chunks
+GPT2_ORDER = ("wte", "wpe", "layers", "ln_f")  # GPT-2, config.stage_layout
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything the plans, the runtime and the printed description share: model, shapes,
@@ -139,6 +144,15 @@ class Setup:
     cp_reduce: str = (
         "allreduce"  # allgather's key/value gradients: allreduce | reduce | reduce-scatter
     )
+    # Where a stage's tensors sit in its flat parameter array (layout.Layout): the sections
+    # in order. GPT-3 (Megatron): a chunk's extra tensors (wte, wpe, ln_f) first, then its
+    # layers; GPT-2 (config.stage_layout, whose offsets its plans' buckets name): wte, wpe,
+    # the layers, ln_f last.
+    param_order: tuple[str, ...] = ("wte", "wpe", "ln_f", "layers")  # EXTRAS_FIRST
+    # Training (the runtime reads these, not the command line):
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    seed: int = 0
 
     @property
     def zero(self) -> int:

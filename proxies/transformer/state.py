@@ -55,3 +55,6 @@ class ChunkActs:
     probs: np.ndarray | None = None  # (N,valid) exp(logits - mx) of this slice, if kept
     mx: np.ndarray | None = None  # (N,) this slice's max logit per token, if kept
     loss_scale: float = 1.0
+    # Backward: st.dres is dL/d(input of layer `at`) (the chunk's top layer + 1: dL/d its
+    # output), None before the backward starts (model.py's _bwd_settle).
+    at: int | None = None

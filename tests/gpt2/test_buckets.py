@@ -14,7 +14,7 @@ from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
 from proxies.gpt2.proxy import make_job, parser, split_layers
 from proxies.transformer.config import GPT2Config, backward_pieces, layout_size, stage_layout
-from proxies.transformer.stage_model import StageModel
+from proxies.transformer.model import StageShard, gpt2_stage
 
 CFG = GPT2Config("t", 3, 16, 2, vocab_size=32, max_seq_len=8)
 B, T = 2, 5
@@ -27,40 +27,51 @@ STAGES = {  # (layers, first, last)
 
 
 # ----------------------------------------------------------------------------------------
-# StageModel: the pieces are the backward
+# StageShard: GPT-2's pieces are its backward
 
 
-def forward(m: StageModel, mb: int = 0):
+def stage(layers: range, first: bool, last: bool) -> StageShard:
+    return gpt2_stage(CFG, layers, first, last, B, T, seed=1)
+
+
+def forward(m: StageShard, mb: int = 0) -> None:
+    """mb's forward; the gradient of the stage's output in the grad_out message."""
     rng = np.random.default_rng(mb)
-    x = rng.integers(0, CFG.vocab_size, (B, T)) if m.first else rng.standard_normal((B, T, 16))
+    first, last = m.chunks[0].embed, m.chunks[0].head
+    x = rng.integers(0, CFG.vocab_size, (B, T))
+    if not first:
+        m.message("act_in", mb, 0)[...] = rng.standard_normal((B, T, 16))
     y = rng.integers(0, CFG.vocab_size, (B, T))
-    m.forward(mb, x, y if m.last else None)
-    return None if m.last else rng.standard_normal((B, T, 16)).astype(np.float32)
+    m.batch = lambda _: (x, y)
+    m.forward(mb)
+    if not last:
+        m.message("grad_out", mb, 0)[...] = rng.standard_normal((B, T, 16))
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_pieces_give_backwards_gradients_bit_for_bit(stage):
-    layers, first, last = STAGES[stage]
-    whole, split = (StageModel(CFG, layers, first, last, B, T, seed=1) for _ in range(2))
+@pytest.mark.parametrize("stage_name", STAGES)
+def test_pieces_give_backwards_gradients_bit_for_bit(stage_name):
+    layers, first, last = STAGES[stage_name]
+    whole, split = (stage(layers, first, last) for _ in range(2))
     pieces = backward_pieces(CFG, layers, first, last)
     assert split.pieces() == tuple(name for name, _ in pieces)
     for mb in (0, 1):  # accumulating over two micro-batches, through pooled state
-        dout = forward(whole, mb)
+        forward(whole, mb)
         forward(split, mb)
-        want = whole.backward(mb, dout)
-        for i in range(len(pieces)):
-            got = split.backward_piece(mb, i, dout if i == 0 else None)
-            assert (got is None) == (i < len(pieces) - 1 or first)
+        whole.backward(mb)
+        for name, _ in pieces:
+            split.backward_piece(name, mb)
         np.testing.assert_array_equal(split.grads, whole.grads)
         if not first:
+            want, got = (m.message("grad_in", mb, 0) for m in (whole, split))
             np.testing.assert_array_equal(got, want)
+    assert not split.saved  # the last piece frees the micro-batch's state
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_pieces_ranges_are_final_after_it(stage):
+@pytest.mark.parametrize("stage_name", STAGES)
+def test_a_pieces_ranges_are_final_after_it(stage_name):
     """backward_pieces partitions the flat buffer, and after piece i the gradients in the
     ranges of pieces 0..i no longer change."""
-    layers, first, last = STAGES[stage]
+    layers, first, last = STAGES[stage_name]
     pieces = backward_pieces(CFG, layers, first, last)
     n = layout_size(stage_layout(CFG, layers, first, last))
     cover = np.zeros(n, int)
@@ -69,27 +80,19 @@ def test_a_pieces_ranges_are_final_after_it(stage):
             cover[lo:hi] += 1
     assert (cover == 1).all()
 
-    m = StageModel(CFG, layers, first, last, B, T, seed=1)
-    dout = forward(m)
+    m = stage(layers, first, last)
+    forward(m)
+    m.grads.fill(np.nan)  # every gradient written by its piece, none added to
     snapshots = []
-    for i in range(len(pieces)):
-        m.backward_piece(0, i, dout if i == 0 else None)
+    for name, _ in pieces:
+        m.backward_piece(name, 0)
         snapshots.append(m.grads.copy())
+    assert not np.isnan(m.grads).any()
     for i, (name, ranges) in enumerate(pieces):
         for lo, hi in ranges:
             np.testing.assert_array_equal(snapshots[i][lo:hi], m.grads[lo:hi], err_msg=name)
             if i:  # and not before it: nothing is sent early
-                assert not np.array_equal(snapshots[i - 1][lo:hi], m.grads[lo:hi]), name
-
-
-def test_pieces_run_in_order():
-    m = StageModel(CFG, range(3), True, True, B, T)
-    forward(m)
-    with pytest.raises(ValueError, match="piece 1, expected 0"):
-        m.backward_piece(0, 1)
-    m.backward_piece(0, 0)
-    with pytest.raises(ValueError, match="no forward in flight"):
-        m.backward_piece(5, 0)
+                assert np.isnan(snapshots[i - 1][lo:hi]).any(), name
 
 
 # ----------------------------------------------------------------------------------------

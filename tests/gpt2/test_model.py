@@ -1,5 +1,7 @@
-"""StageModel: whole-model gradients against finite differences, pipeline splits against the
-single model, float32 against float64, init loss, and AdamW training on a fixed batch."""
+"""GPT-2 stages on StageShard (model.gpt2_stage, whole.py): the flat layout is
+config.stage_layout's tensor for tensor, whole-model gradients against finite differences,
+pipeline splits against the single model, float32 against float64, the kept probabilities
+against recomputed logits, init loss, and AdamW training on a fixed batch."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import numpy as np
 import pytest
 from gradcheck import check
 
-from proxies.transformer.config import GPT2Config
-from proxies.transformer.stage_model import StageModel
+from proxies.transformer import fast
+from proxies.transformer.config import GPT2Config, backward_pieces, layout_size, stage_layout
+from proxies.transformer.model import StageShard, full_model, gpt2_stage
 
 CFG = GPT2Config("t", 2, 16, 2, vocab_size=32, max_seq_len=8)
 B, T = 2, 5
@@ -21,127 +24,156 @@ def batch(seed: int = 0, V: int = CFG.vocab_size):
     return rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
 
 
-def run(stages: list[StageModel], x, y, mb: int = 0, loss_scale: float = 1.0) -> float:
-    """Forward through the stages, then backward, handing activations and gradients on."""
-    for s in stages[:-1]:
-        x = s.forward(mb, x)
-    loss = stages[-1].forward(mb, x, y, loss_scale)
+def whole(dtype=np.float64, **kw) -> StageShard:
+    return full_model(CFG, B, T, dtype=dtype, **kw)
+
+
+def run(stages: list[StageShard], x, y, mb: int = 0, loss_scale: float = 1.0) -> float:
+    """Forward through the stages, then backward, handing activations and gradients on as
+    the pipeline's messages."""
+    h = None
+    for s in stages:
+        s.batch, s.loss_scale = (lambda _: (x, y)), loss_scale
+        if h is not None:
+            s.message("act_in", mb, 0)[...] = h
+        loss = s.forward(mb)
+        h = None if loss is not None else s.io[("act_out", mb, 0)]
     d = None
     for s in reversed(stages):
-        d = s.backward(mb, d)
+        if d is not None:
+            s.message("grad_out", mb, 0)[...] = d
+        s.backward(mb)
+        d = None if s.chunks[0].embed else s.message("grad_in", mb, 0)
     return loss
 
 
-def test_layout():
-    m = StageModel(CFG, range(2), True, True, B, T)
-    assert m.num_params == m.params.size == CFG.num_params
-    assert m.layout[0][0] == "wte" and m.wte_slice == slice(0, CFG.vocab_size * CFG.n_embd)
-    offset = 0
-    for name, shape, o in m.layout:
-        assert o == offset, name
-        assert np.shares_memory(m.views[name], m.params) and m.views[name].shape == shape
-        assert np.shares_memory(m.grad_views[name], m.grads)
-        offset += math.prod(shape)
-    assert len([n for n, _, _ in m.layout if n.startswith("h.1.")]) == 12
-    middle = StageModel(CFG, range(1, 2), False, False, B, T)
-    assert middle.num_params == CFG.layer_params and middle.wte_slice is None
+def loss_only(m: StageShard, x, y) -> float:
+    m.batch = lambda _: (x, y)
+    loss = m.forward(0)
+    m.free(0)
+    return loss
+
+
+STAGES = {  # (layers, first, last) of a 3-layer model
+    "whole": (range(3), True, True),
+    "first": (range(0, 2), True, False),
+    "middle": (range(1, 3), False, False),
+    "last": (range(2, 3), False, True),
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_layout_is_stage_layout(stage):
+    """Every tensor at config.stage_layout's offset (GPT-2's goldens name its buckets), the
+    views into the flat arrays, GPT-2's backward pieces."""
+    layers, first, last = STAGES[stage]
+    cfg = CFG.with_layers(3)
+    m = gpt2_stage(cfg, layers, first, last, B, T)
+    want = stage_layout(cfg, layers, first, last)
+    assert [(n, tuple(s), o) for n, s, o in m.layout.dense] == want
+    assert m.params.size == m.grads.size == layout_size(want)
+    for name, shape, _ in want:
+        assert m.w[name].shape == shape and np.shares_memory(m.w[name], m.params)
+        assert np.shares_memory(m.g[name], m.grads)
+    assert m.pieces() == tuple(name for name, _ in backward_pieces(cfg, layers, first, last))
+    if first and last:
+        assert m.params.size == cfg.num_params
 
 
 def test_gradients_match_finite_differences():
-    m = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    m = whole()
     # move away from the init (uniform attention, unit layernorms) so every path carries signal
     m.params += 0.2 * np.random.default_rng(1).standard_normal(m.params.size)
     x, y = batch()
     run([m], x, y)
     rng, eps = np.random.default_rng(2), 1e-5
-    for name, _, _ in m.layout:
-        p, g = m.views[name].reshape(-1), m.grad_views[name].reshape(-1)
+    for name, _, _ in m.layout.dense:
+        p, g = m.w[name].reshape(-1), m.g[name].reshape(-1)
         for i in rng.choice(p.size, size=min(4, p.size), replace=False):
             old = p[i]
             p[i] = old + eps
-            fp = m.forward(0, x, y)
-            m.free(0)
+            fp = loss_only(m, x, y)
             p[i] = old - eps
-            fm = m.forward(0, x, y)
-            m.free(0)
+            fm = loss_only(m, x, y)
             p[i] = old
             check(f"{name}[{i}]", g[i], (fp - fm) / (2 * eps), atol=1e-8, rtol=1e-5)
 
 
 def test_wte_gradient_at_used_tokens():
-    # the sampled entries above may miss the rows the encoder touches: check those too
-    m = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    # the sampled entries above may miss the rows the embedding touches: check those too
+    m = whole()
     x, y = batch()
     run([m], x, y)
-    wte, dwte, eps = m.views["wte"], m.grad_views["wte"], 1e-5
+    wte, dwte, eps = m.w["wte"], m.g["wte"], 1e-5
     for tok in np.unique(x)[:4]:
         old = wte[tok, 3]
         wte[tok, 3] = old + eps
-        fp = m.forward(0, x, y)
-        m.free(0)
+        fp = loss_only(m, x, y)
         wte[tok, 3] = old - eps
-        fm = m.forward(0, x, y)
-        m.free(0)
+        fm = loss_only(m, x, y)
         wte[tok, 3] = old
         check(f"wte[{tok}, 3]", dwte[tok, 3], (fp - fm) / (2 * eps), atol=1e-8, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "split",
-    [
-        [(range(0, 1), True, False), (range(1, 2), False, True)],
-        [(range(0, 0), True, False), (range(0, 2), False, False), (range(2, 2), False, True)],
-    ],
-    ids=["2 stages", "embeddings, layers, head"],
-)
-def test_pipeline_split_equals_single_model(split):
-    full = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
-    stages = [StageModel(CFG, r, f, la, B, T, dtype=np.float64) for r, f, la in split]
+def test_pipeline_split_equals_single_model():
+    full = whole()
+    split = [(range(0, 1), True, False), (range(1, 2), False, True)]
+    stages = [gpt2_stage(CFG, r, f, la, B, T, dtype=np.float64) for r, f, la in split]
     for s in stages:
-        for name, _, _ in s.layout:
-            check(f"init {name}", s.views[name], full.views[name], atol=0, rtol=0)
+        for name, _, _ in s.layout.dense:
+            check(f"init {name}", s.w[name], full.w[name], atol=0, rtol=0)
     x, y = batch()
     check("loss", run(stages, x, y), run([full], x, y), atol=1e-14)
     # the tied wte: the first stage's embedding gradient plus the last stage's head gradient
-    stages[-1].grads[stages[-1].wte_slice] += stages[0].grads[stages[0].wte_slice]
+    stages[-1].g["wte"] += stages[0].g["wte"]
     for s in stages:
-        for name, _, _ in s.layout:
+        for name, _, _ in s.layout.dense:
             if name != "wte" or s is stages[-1]:
-                check(f"grad {name}", s.grad_views[name], full.grad_views[name], atol=1e-14)
-    check("flops", sum(s.flops_forward() for s in stages), full.flops_forward(), atol=0)
+                check(f"grad {name}", s.g[name], full.g[name], atol=1e-14)
 
 
 def test_microbatches_in_flight():
     # two micro-batches forwarded before either backward (as in GPipe / 1F1B), backward in
-    # reverse order, twice (reusing pooled buffers): the same as one at a time
+    # reverse order, twice (reusing pooled state, gradients written afresh): the same as one
+    # at a time
     x0, y0 = batch(0)
     x1, y1 = batch(1)
-    ref = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    ref = whole()
     losses = [run([ref], x0, y0), run([ref], x1, y1)]
-    m = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    m = whole()
+    m.batch = lambda mb: (x0, y0) if mb == 0 else (x1, y1)
     for _ in range(2):
         m.zero_grad()
-        got = [m.forward(0, x0, y0), m.forward(1, x1, y1)]
-        assert m.backward(1) is None and m.backward(0) is None
+        got = [m.forward(0), m.forward(1)]
+        m.backward(1)
+        m.backward(0)
         check("losses", got, losses, atol=1e-14)
         check("grads", m.grads, ref.grads, atol=1e-14)
-    with pytest.raises(ValueError, match="in flight"):
-        m.forward(0, x0, y0)
-        m.forward(0, x0, y0)
+    assert not m.saved
 
 
 def test_loss_scale():
     x, y = batch()
-    a = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
-    b = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    a, b = whole(), whole()
     check("loss", run([a], x, y, loss_scale=0.25), run([b], x, y), atol=0)
     check("grads", a.grads, 0.25 * b.grads, atol=1e-15)
 
 
+def test_kept_probabilities_equal_recomputed_logits(monkeypatch):
+    """The head keeps its exponentiated logits from the forward when they fit
+    fast.DLOGITS_BUDGET (no second logits matmul); without, the backward recomputes them."""
+    x, y = batch()
+    kept = whole()
+    monkeypatch.setattr(fast, "DLOGITS_BUDGET", 0)
+    recomputed = whole()
+    assert kept.keeps_logits and not recomputed.keeps_logits
+    check("loss", run([kept], x, y), run([recomputed], x, y), atol=1e-14)
+    check("grads", kept.grads, recomputed.grads, atol=1e-14)
+
+
 def test_float32_matches_float64():
     x, y = batch()
-    m32 = StageModel(CFG, range(2), True, True, B, T, dtype=np.float32)
-    m64 = StageModel(CFG, range(2), True, True, B, T, dtype=np.float64)
+    m32, m64 = whole(np.float32), whole(np.float64)
     assert m32.params.dtype == np.float32 and m32.grads.dtype == np.float32
     check("params", m32.params, m64.params, atol=0, rtol=1e-7)
     l32, l64 = run([m32], x, y), run([m64], x, y)
@@ -152,16 +184,15 @@ def test_float32_matches_float64():
 
 def test_init_loss_is_log_vocab():
     x, y = batch()
-    loss = run([StageModel(CFG, range(2), True, True, B, T)], x, y)
+    loss = run([whole(np.float32)], x, y)
     assert abs(loss - math.log(CFG.vocab_size)) < 0.1, loss
 
 
 def test_adamw_decreases_loss():
     x, y = batch()
-    m = StageModel(CFG, range(2), True, True, B, T)
+    m = whole(np.float32)
     losses = []
     for _ in range(8):
-        m.zero_grad()
         losses.append(run([m], x, y))
         m.step(lr=1e-2)
     assert m.t == 8
@@ -169,14 +200,25 @@ def test_adamw_decreases_loss():
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
 
 
-def test_bad_input():
-    m = StageModel(CFG, range(2), True, True, B, T)
+def test_zero1_step_is_the_full_step_on_its_part():
+    """ZeRO-1: AdamW on a block of the flat buffer equals the full step there, and leaves
+    the rest alone."""
     x, y = batch()
-    with pytest.raises(ValueError, match="tokens"):
-        m.forward(0, x[:, :3], y)
-    with pytest.raises(ValueError, match="targets"):
-        m.forward(1, x)
+    a, b = whole(), whole()
+    run([a], x, y)
+    run([b], x, y)
+    part = slice(100, 700)
+    before = b.params.copy()
+    a.step(1e-2, 0.1)
+    b.step(1e-2, 0.1, part)
+    assert b.m.size == 600
+    check("part", b.params[part], a.params[part], atol=0, rtol=0)
+    assert np.array_equal(b.params[: part.start], before[: part.start])
+    assert np.array_equal(b.params[part.stop :], before[part.stop :])
+
+
+def test_bad_input():
     with pytest.raises(ValueError, match="max_seq_len"):
-        StageModel(CFG, range(2), True, True, B, CFG.max_seq_len + 1)
+        full_model(CFG, B, CFG.max_seq_len + 1)
     with pytest.raises(ValueError, match="layers"):
-        StageModel(CFG, range(1, 3), False, True, B, T)
+        gpt2_stage(CFG, range(1, 3), False, True, B, T)

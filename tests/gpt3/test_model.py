@@ -12,10 +12,9 @@ from proxies.core.plan import Collective, Compute, Wait
 from proxies.gpt3.proxy import make_job, parser
 from proxies.transformer.data import Synthetic, batch
 from proxies.transformer.layout import Layout, shard
-from proxies.transformer.model import StageShard
+from proxies.transformer.model import StageShard, full_model
 from proxies.transformer.plan import Piece, Pieces
 from proxies.transformer.setup import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
-from proxies.transformer.stage_model import StageModel
 
 T = 32
 TINY = ["--model", "gpt3-tiny", "--seq-len", str(T), "--compute", "real", "--lr", "1e-3"]
@@ -73,23 +72,25 @@ def emulate(argv: list[str], world: int, iters: int = 2, stop_at_optimizer: bool
 
 
 def reference(L: int, m: int, iters: int = 2, lr: float = 1e-3, stop_at_optimizer=False):
-    """The unsharded GPT-2 StageModel on the same samples: m micro-batches per iteration."""
+    """The unsharded GPT-2 model (one process) on the same samples: m micro-batches per
+    iteration."""
     cfg = PRESETS["gpt3-tiny"].with_layers(L).to_gpt2()
-    model = StageModel(cfg, range(L), True, True, 1, T, seed=0)
+    model = full_model(cfg, 1, T, seed=0)
+    model.loss_scale = 1.0 / m
     source = Synthetic(0, cfg.vocab_size, T)
     losses = []
     for it in range(iters):
         total = 0.0
         for mb in range(m):
             x, y = batch(source, it * m + mb, 1)
-            total += model.forward(mb, x, y, 1.0 / m)
+            model.batch = lambda _, x=x, y=y: (x, y)
+            total += model.forward(mb)
         for mb in range(m):
             model.backward(mb)
         losses.append(total / m)
         if stop_at_optimizer:
             return losses, model
         model.step(lr)
-        model.zero_grad()
     return losses, model
 
 
@@ -119,7 +120,7 @@ def test_gradient_shards_equal_unsharded_gradients(tp, sp):
     extra = ["--sequence-parallel"] if sp else []
     argv = ["4", "1", "--micro-batches", "4", "--tp", str(tp), *TINY, *extra]
     _, rts = emulate(argv, tp, stop_at_optimizer=True)
-    want = model.grad_views
+    want = model.g
     for r, rt in enumerate(rts):
         shard_model = rt.model
         got = shard_model.g

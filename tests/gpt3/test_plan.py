@@ -12,8 +12,9 @@ import pytest
 from proxies.core.cli import UsageError
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
-from proxies.gpt3.proxy import BufferPool, main, make_job, parser
+from proxies.gpt3.proxy import main, make_job, parser
 from proxies.transformer.layout import layer_tensors
+from proxies.transformer.runtime import BufferPool
 from proxies.transformer.setup import PRESETS
 
 # spcl/DNN-cpp-proxies gpt3.cpp / gpt3_moe.cpp: GPT-3 175B, micro-batch 1, sequence 2048

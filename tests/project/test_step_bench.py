@@ -166,8 +166,9 @@ def test_compare_grads_finds_a_wrong_tensor_and_a_padding_gradient():
 
 
 def test_saved_bytes_are_the_memory_model_of_the_shard():
-    """What the forward keeps, read off the arrays, equals gpt3/memory.py's count of them."""
-    from proxies.gpt3.memory import saved_state
+    """What the forward keeps, read off the arrays, equals transformer/memory.py's count of
+    them."""
+    from proxies.transformer.memory import saved_state
 
     m = step_shard.Step(step_shard.PRESETS["gpt2-tiny"].with_layers(2), 2, 16, 0)
     m.forward(*step_shard.tokens(m.S.cfg, 2, 16, 1, 0)[0])

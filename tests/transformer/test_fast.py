@@ -25,7 +25,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setenv("PROXIES_KERNEL_THREADS", "2")
     monkeypatch.setattr(F, "BLOCK", 96)  # several blocks of a few rows each
     monkeypatch.setattr(F, "ADAMW_BLOCK", 96)
-    monkeypatch.setattr(F, "_DW_ELEMS", 3 * C)  # dW through 3-row temporaries
+    monkeypatch.setattr(F, "DW_ELEMS", 3 * C)  # dW through 3-row temporaries
 
 
 def r(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
@@ -177,42 +177,46 @@ def test_parallel_covers_every_index_once(monkeypatch):
 
 
 @pytest.mark.parametrize("first,last", [(True, True), (False, True), (True, False)])
-def test_stage_model_fast_equals_plain(first, last, monkeypatch):
-    """Two iterations of two micro-batches forward and backward, then AdamW: the model on
-    fast kernels (dlogits kept by the forward, gradients overwritten by the first backward
-    after zero_grad instead of zeroed and added to) against the model on the reference
-    kernels, which take the same calls. Before the second iteration both models' gradients
+def test_stage_shard_fast_equals_plain(first, last, monkeypatch):
+    """Two iterations of two micro-batches forward and backward, then AdamW: a GPT-2 stage
+    on fast kernels (probabilities kept by the forward, gradients written by the first
+    backward after a step instead of zeroed and added to) against one on the reference
+    kernels, which take the same calls. Before the second iteration both stages' gradients
     are NaN: every one of them must be written, none added to."""
     monkeypatch.setattr(F, "BLOCK", 1 << 12)  # still many blocks over the 3.4M parameters
     monkeypatch.setattr(F, "ADAMW_BLOCK", 1 << 12)
-    monkeypatch.setattr(F, "_DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
+    monkeypatch.setattr(F, "DW_ELEMS", 1 << 16)  # and over wte's 50257 rows
     from proxies.transformer.config import PRESETS
-    from proxies.transformer.stage_model import StageModel
+    from proxies.transformer.model import gpt2_stage
 
     cfg = PRESETS["gpt2-tiny"].with_layers(3)
     Bm, Tm = 2, 24
     models = {
-        k: StageModel(cfg, range(3), first, last, Bm, Tm, seed=3, kernels=k)
-        for k in ("plain", "fast")
+        k: gpt2_stage(cfg, range(3), first, last, Bm, Tm, seed=3, kernels=mod)
+        for k, mod in (("plain", K), ("fast", F))
     }
-    assert models["fast"].save_dlogits == last
+    assert models["fast"].keeps_logits == last
     outs = {k: [] for k in models}
     for it in range(2):
         for k, model in models.items():
             rng = np.random.default_rng([7, it])
             got = outs[k]
+            model.loss_scale = 0.5
             for mb in range(2):
-                if first:
-                    x = rng.integers(0, cfg.vocab_size, (Bm, Tm))
-                else:
-                    x = rng.standard_normal((Bm, Tm, cfg.n_embd)).astype(np.float32)
-                y = rng.integers(0, cfg.vocab_size, (Bm, Tm)) if last else None
-                out = model.forward(mb, x, y, 0.5) if last else model.forward(mb, x)
-                got.append(np.copy(out))
+                x = rng.integers(0, cfg.vocab_size, (Bm, Tm))
+                if not first:
+                    h = rng.standard_normal((Bm, Tm, cfg.n_embd)).astype(np.float32)
+                    model.message("act_in", mb, 0)[...] = h
+                y = rng.integers(0, cfg.vocab_size, (Bm, Tm))
+                model.batch = lambda _, x=x, y=y: (x, y)
+                out = model.forward(mb)
+                got.append(np.copy(out if last else model.io[("act_out", mb, 0)]))
             for mb in range(2):
                 dout = rng.standard_normal((Bm, Tm, cfg.n_embd)).astype(np.float32)
-                din = model.backward(mb, None if last else dout)
-                got.append(np.zeros(1) if din is None else din.copy())
+                if not last:
+                    model.message("grad_out", mb, 0)[...] = dout
+                model.backward(mb)
+                got.append(np.zeros(1) if first else model.message("grad_in", mb, 0).copy())
             got.append(model.grads.copy())
         # AdamW turns rounding noise in a gradient that is 0 in exact arithmetic (the key
         # bias: softmax ignores a shift of the scores) into a full +-lr step, so both models
@@ -220,7 +224,6 @@ def test_stage_model_fast_equals_plain(first, last, monkeypatch):
         models["fast"].grads[...] = models["plain"].grads
         for k, model in models.items():
             model.step(1e-3, 0.1)
-            model.zero_grad()
             outs[k].append(model.params.copy())
         for model in models.values():  # no zeroing pass on either kernels: all written
             model.grads.fill(np.nan)

@@ -1,22 +1,24 @@
-"""Per-rank memory of the GPT-3 proxy, from the shapes its runtime allocates (core/memory.py
-adds MPI's scratch, wire staging and the interpreter).
+"""Per-rank memory of a GPT rank (gpt2 and gpt3), from the shapes its runtime allocates
+(runtime.py; core/memory.py adds MPI's scratch, wire staging and the interpreter).
 
 Real/replay compute (model.StageShard): the tensor-parallel shard of the stage's dense and
-expert parameters, their gradients and AdamW moments, one saved state per (micro-batch,
-chunk) in flight in the schedule, the backward's scratch, the collective buffers and one
-buffer per pipeline message. MoE's per-piece temporaries (moe.py) are not modelled beyond
-the dispatch buffers. Model/none compute: the BufferPool of the plan (twice the largest
-message, not the gradients).
+expert parameters, their gradients and AdamW moments (of this rank's block only under
+ZeRO-1), one saved state per (micro-batch, chunk) in flight in the schedule, the backward's
+scratch, the collective buffers and one buffer per pipeline message. MoE's per-piece
+temporaries (moe.py) are not modelled beyond the dispatch buffers. Model/none compute: the
+BufferPool of the plan (no parameters; for GPT-3 twice the largest message, not the
+gradients; GPT-2's buckets are not limited in flight, each one its own buffer).
 """
 
 from __future__ import annotations
 
 from proxies.core import memory
-from proxies.core.plan import Plan
+from proxies.core.plan import Plan, block_range
 from proxies.core.schedules import SCHEDULES
 from proxies.transformer import fast
 from proxies.transformer.kernels import CLASSIFIER_CHUNK
 from proxies.transformer.layout import Layout
+from proxies.transformer.runtime import BufferPool
 from proxies.transformer.setup import Chunk, Setup
 
 F32 = 4
@@ -29,10 +31,11 @@ def keeps_logits(S: Setup) -> bool:
 
 def saved_state(S: Setup, ch: Chunk) -> int:
     """Bytes of StageShard._alloc for one chunk: its input and residual gradient, per layer
-    the sequence-shard (B,Ts,*) and full-sequence (B,T,*/tp) tensors, the local heads'
+    the sequence-shard (B,Ts,*: ln1, res2, ln2, res3 and 4 statistics) and full-sequence
+    (B,T,*/tp: qkv, atty, and fch, fch_gelu of a dense MLP) tensors, the local heads'
     softmax, the head's statistics, and its kept probabilities and max (N, V/tp + 1)."""
     B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
-    layer = B * (5 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
+    layer = B * (4 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
     layer += B * (S.cfg.n_head // tp) * T * T
     if not S.moe:
         layer += 2 * B * T * 4 * C // tp
@@ -43,8 +46,8 @@ def saved_state(S: Setup, ch: Chunk) -> int:
 
 
 def weight_temps(S: Setup, head: bool) -> int:
-    """Elements of the kernels' kept weight-gradient temporaries (fast._add_at_b): one per
-    weight shard shape, at most fast._DW_ELEMS elements in whole rows."""
+    """Elements of the kernels' kept weight-gradient temporaries (fast.dw_temp_elems): one
+    per weight shard shape."""
     C, tp = S.cfg.n_embd, S.tp
     shapes = {(3 * C // tp, C), (C, C // tp)}
     if S.moe:
@@ -54,41 +57,46 @@ def weight_temps(S: Setup, head: bool) -> int:
         shapes |= {(4 * C // tp, C), (C, 4 * C // tp)}
     if head:
         shapes.add((S.vocab // tp, C))
-    return sum(min(M, max(1, fast._DW_ELEMS // N)) * N for M, N in shapes)
+    return sum(fast.dw_temp_elems(shape) for shape in shapes)
 
 
-def live_states(S: Setup, stage: int, schedule: str) -> list[int]:
+def live_states(S: Setup, stage: int) -> list[int]:
     """The most (micro-batch, chunk) states in flight at once, per chunk (interleaved
     schedules hold different counts of each chunk)."""
     live: dict[int, int] = {}
     peak: dict[int, int] = {}
-    for a in SCHEDULES[schedule](S.pp, S.m, stage, S.v):
+    for a in SCHEDULES[S.schedule](S.pp, S.m, stage, S.v):
         live[a.chunk] = live.get(a.chunk, 0) + (1 if a.kind == "F" else -1)
         peak[a.chunk] = max(peak.get(a.chunk, 0), live[a.chunk])
     return [peak.get(c, 0) for c in range(S.v)]
 
 
-def real_parts(S: Setup, stage: int, schedule: str) -> dict[str, int]:
+def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
     lay = Layout(S, stage)
     n = lay.dense_size + lay.expert_size
+    held = n  # AdamW's moments: of everything, or (ZeRO-1) of this rank's dense block
+    if S.zero and S.dp > 1:
+        lo, hi = block_range(lay.dense_size, S.dp, dp_rank)
+        held = hi - lo
     chunks = S.chunks(stage)
-    counts = live_states(S, stage, schedule)
+    counts = live_states(S, stage)
     acts = sum(k * saved_state(S, ch) for k, ch in zip(counts, chunks, strict=False))
     B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
-    # backward scratch (dfch, dfch_gelu, datty, dqkv, partial), and the head's logit chunk
-    # when it does not keep them
+    # backward scratch (dfch, dfch_gelu, datty, dqkv, partial), the attention backward's
+    # score gradient (B, NH/tp, T, T), and the head's logit chunk when it does not keep them
     work = B * T * (8 * C // tp + C // tp + 3 * C // tp + (C if S.sp else 0))
+    work += B * (S.cfg.n_head // tp) * T * T
     if any(ch.head for ch in chunks) and not keeps_logits(S):
         rows = max(1, min(S.N, CLASSIFIER_CHUNK // max(1, S.vocab // tp)))
         work += rows * (S.vocab // tp)
     work += weight_temps(S, any(ch.head for ch in chunks))
     moe = S.moe
     dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
-    bufs = S.N * C + tp * 3 * S.N + dispatch + lay.sp_size
+    bufs = S.N * C + tp * 3 * S.N + dispatch + (lay.sp_size if S.sp else 0)
     return {
         "parameters": F32 * n,
         "gradients": F32 * n,
-        "optimizer": 2 * F32 * n,
+        "optimizer": 2 * F32 * held,
         "activations": acts,
         "workspace": F32 * work,
         "blas": memory.blas_workspace(),
@@ -96,12 +104,11 @@ def real_parts(S: Setup, stage: int, schedule: str) -> dict[str, int]:
     }
 
 
-def estimate(S: Setup, stage: int, schedule: str, mode: str, plan: Plan) -> dict[str, int]:
-    """Bytes per part of one rank of `stage` under --compute `mode`."""
+def estimate(S: Setup, stage: int, dp_rank: int, mode: str, plan: Plan) -> dict[str, int]:
+    """Bytes per part of one rank of `stage` (replica dp_rank) under --compute `mode`."""
     if mode in ("real", "replay"):
-        parts = real_parts(S, stage, schedule)
-        parts["buffers"] += memory.p2p_buffers(plan)  # StageShard.message, one per key
+        parts = real_parts(S, stage, dp_rank)
+        # StageShard.message, one per key; the sent activation is the saved layer output
+        parts["buffers"] += memory.p2p_buffers(plan, ("act_in", "grad_out", "grad_in"))
         return memory.complete(parts, plan)
-    from proxies.gpt3.proxy import BufferPool
-
     return memory.complete({"buffers": BufferPool(plan, S.inflight).nbytes}, plan)
