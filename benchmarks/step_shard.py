@@ -102,14 +102,14 @@ class Step:
         layer's input: x0 or the layer below's output) are counted where they were
         allocated."""
         acts = self.shard.saved[(0, self.chunk.index)]
-        total = 0
+        seen: dict[int, int] = {}  # a layer's `inp` is the very array below it: count once
         for obj in [acts, *acts.layers.values()]:
             for f in dataclasses.fields(obj):
                 a = getattr(obj, f.name)
                 # tokens, targets: the batch's own arrays, referenced (not the model's)
                 if isinstance(a, np.ndarray) and a.base is None and f.name not in DATA:
-                    total += a.nbytes
-        return total
+                    seen[id(a)] = a.nbytes
+        return sum(seen.values())
 
     def weights(self) -> dict[str, np.ndarray]:
         """Every parameter by name (nanoGPT / HF names, the Layout's), as the model holds it."""
