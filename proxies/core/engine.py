@@ -190,20 +190,7 @@ class Engine:
         MPI, comm = self.MPI, self.world
         t0 = MPI.Wtime()
         cast0 = t.seconds.get(CAST, 0.0)
-        reqs, staged = [], []
-        for m in op.sends:
-            buf = self._buffer(m)
-            out = self._narrow(buf, m.dtype, t)
-            if out is not buf:
-                staged.append(out)
-            if self.check:
-                if self.mode != "real":
-                    check.fill(out, self._seed(m))
-                reqs.append(self.check_comm.Isend(check.checksum(out), m.peer, m.tag))
-                if self.fault == "corrupt":
-                    # After the checksum, one bit of the first element: the receiver must notice.
-                    out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
-            reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in _pieces(out)]
+        reqs, staged = p2p_async.isend_all(self, op.sends, t)
         sent = MPI.Wtime() if self.trace is not None and op.sends else t0
         idle = held = 0.0
         for m in op.recvs:

@@ -43,6 +43,27 @@ def pieces(buf: np.ndarray):
         yield flat[lo : lo + MAX_COUNT]
 
 
+def isend_all(engine, sends, t) -> tuple[list, list]:
+    """Start every send of a batch (16-bit wire copies staged; with --check its checksum
+    first, and the `corrupt` fault after it): (the requests, the staged copies to keep
+    alive until they complete)."""
+    comm = engine.world
+    reqs, staged = [], []
+    for m in sends:
+        buf = engine._buffer(m)
+        out = engine._narrow(buf, m.dtype, t)
+        if out is not buf:
+            staged.append(out)
+        if engine.check:
+            if engine.mode != "real":
+                check.fill(out, engine._seed(m))
+            reqs.append(engine.check_comm.Isend(check.checksum(out), m.peer, m.tag))
+            if engine.fault == "corrupt":  # after the checksum: the receiver must notice
+                out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
+        reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in pieces(out)]
+    return reqs, staged
+
+
 def post(engine, op: P2P, t) -> None:
     """Issue `op`'s sends and receives (engine: engine.Engine, t: its IterationTimes); it
     completes at Wait(op.req)."""
@@ -51,19 +72,7 @@ def post(engine, op: P2P, t) -> None:
     with engine._lock():
         t0 = MPI.Wtime()
         cast0 = t.seconds.get(CAST, 0.0)
-        reqs, staged, recvs = [], [], []
-        for m in op.sends:
-            buf = engine._buffer(m)
-            out = engine._narrow(buf, m.dtype, t)
-            if out is not buf:
-                staged.append(out)
-            if engine.check:
-                if engine.mode != "real":
-                    check.fill(out, engine._seed(m))
-                reqs.append(engine.check_comm.Isend(check.checksum(out), m.peer, m.tag))
-                if engine.fault == "corrupt":  # after the checksum: the receiver must notice
-                    out.reshape(-1)[:1].view(np.uint8)[:1] ^= 1
-            reqs += [comm.Isend(wire.transport(p), m.peer, m.tag) for p in pieces(out)]
+        reqs, staged, recvs = *isend_all(engine, op.sends, t), []
         for m in op.recvs:
             buf = engine._buffer(m)
             into = engine._narrow(buf, m.dtype, t, copy=False)

@@ -307,6 +307,11 @@ class _Sim:
             self._resume(q, end, op)
             return
         batch.end = end
+        self._complete(q, op, end)
+
+    def _complete(self, q: int, op, end: float) -> None:
+        """Non-blocking `op` (its req) of rank q ends at `end`: its span closes, and q
+        resumes if it is already waiting for it."""
         span = self.reqs[q][op.req][1]
         self.spans[q][span] = (self.spans[q][span][0], end, op)
         if self.blocked.get(q) == op.req:  # q is already waiting for it
@@ -355,12 +360,7 @@ class _Sim:
             if not op.req:
                 self._resume(q, end, op)
                 continue
-            span = self.reqs[q][op.req][1]
-            self.spans[q][span] = (self.spans[q][span][0], end, op)
-            if self.blocked.get(q) == op.req:  # q is already waiting for it
-                del self.reqs[q][op.req]
-                self._release(q, op.req)
-                self._resume(q, max(self.clock[q], end), self.plans[q].ops[self.pc[q]])
+            self._complete(q, op, end)
 
     # --- diagnosis ----------------------------------------------------------------------
 
