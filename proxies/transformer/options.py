@@ -327,7 +327,7 @@ def add_cp(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="context-parallel degree: each sequence split over N ranks by its tokens "
-        "(cp x dp x tp x pp = world size; compute model or none for now)",
+        "(cp x dp x tp x pp = world size)",
     )
     g.add_argument(
         "--cp-split",
@@ -367,8 +367,6 @@ def cp_rules(
             f"world size {world} is not cp * dp * tp * pp: not a multiple of --cp {n} x "
             f"{tp_text}STAGES {pp} = {n * tp * pp}"
         )
-    if args.compute in ("real", "replay"):
-        raise err(f"--cp > 1 runs with --compute model or none for now (not {args.compute})")
     if args.cp_grad_reduce is not None and args.cp_comm != "allgather":
         raise err(f"--cp-grad-reduce needs --cp-comm allgather (it is {args.cp_comm})")
     parts = 2 * n if args.cp_split == "zigzag" else n
