@@ -13,10 +13,10 @@ import pytest
 from launch import ROOT, mpiexec, run
 
 from proxies.transformer import cp as cpsplit
-from proxies.transformer.setup import PRESETS as GPT3_PRESETS
 from proxies.transformer.config import PRESETS as GPT2_PRESETS
 from proxies.transformer.data import Synthetic, batch
 from proxies.transformer.model import full_model
+from proxies.transformer.setup import PRESETS as GPT3_PRESETS
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI
 

@@ -203,8 +203,6 @@ BAD = [
     ),
     (["--cp", "4", "--cp-comm", "alltoall", "--tp", "2"], 8, "2 attention heads per tensor"),
     (["--cp", "2", "--cp-grad-reduce", "reduce"], 2, "--cp-grad-reduce needs --cp-comm allgather"),
-    (["--cp", "2", "--compute", "real"], 2, "--cp > 1 runs with --compute model or none"),
-    (["--cp", "2", "--compute", "replay"], 2, "--cp > 1 runs with --compute model or none"),
     (["--cp", "2", "--moe-experts", "4"], 2, "--cp with --moe-experts"),
     (
         ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
@@ -212,6 +210,14 @@ BAD = [
         "not a multiple of --tp 4",
     ),
 ]
+
+
+@pytest.mark.parametrize("compute", ["real", "replay"])
+def test_real_and_replay_compute_are_accepted(compute):
+    """No longer refused (cpshard.py computes each rank's tokens)."""
+    job = make_job(parser().parse_args(["4", "1", "--model", "gpt3-tiny", "--cp", "2",
+                                        "--compute", compute]), 2)  # fmt: skip
+    assert job.config["cp"] == 2
 
 
 @pytest.mark.parametrize("argv,world,words", BAD, ids=[" ".join(b[0]) for b in BAD])
