@@ -9,7 +9,7 @@ CATEGORIES = {
     "tp_reduce_scatter": "tensor-parallel reduce-scatter",
     "ep_alltoall": "expert all-to-all (dispatch, combine)",
     "edp_allreduce": "expert-data-parallel allreduce",
-    # context parallelism (transformer/context.py): the ring's point-to-point key/value
+    # context parallelism (transformer/cp.py): the ring's point-to-point key/value
     # blocks ("cp", with cp_send / cp_recv bytes), and the collectives of the other comms
     "cp": "context-parallel ring (k,v and dk,dv blocks)",
     "cp_allgather": "context-parallel allgather (k,v)",

@@ -13,6 +13,11 @@ Splits (rank i of N; positions are each rank's token positions, ascending):
 - zigzag: 2N chunks of T/(2N); rank i holds chunks i and 2N-1-i (Megatron-LM's context
   parallelism): an early chunk and a late one, exactly balanced.
 
+The plans (plan.py) use the same splits: pair_matrix / work_shares share the whole
+sequence's attention-core FLOPs out by the causal work between query and key blocks, and
+reduce_group(s) name the groups of --cp-grad-reduce reduce. The real compute (cpshard.py)
+reads each rank's tokens at `positions`.
+
 Work is counted in (query, key) pairs with key <= query, per batch row and head. FLOPs
 follow from it (2 per multiply-add, as config.stage_flops): the forward's QK^T and AV take
 hs multiply-adds each per pair and head, 4 C FLOPs per pair over the NH heads; the
@@ -21,9 +26,15 @@ backward's four matmuls (dV, dP, dQ, dK) twice that.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 SPLITS = ("contiguous", "interleaved", "zigzag")
+# --cp-comm: what attention exchanges per layer (the plans' names of the three families)
+COMMS = ("allgather", "ring", "alltoall")
+GRAD_REDUCES = ("allreduce", "reduce", "reduce-scatter")
+RING_TAG = 0  # the ring's messages: pipeline tags are 1..32767, and its peers differ anyway
 # How attention reaches the other ranks' keys (cp_kernels.py): all-gather of kv, kv blocks
 # round a ring, all-to-all to head shards (Ulysses).
 FAMILIES = ("allgather", "ring", "ulysses")
@@ -112,3 +123,47 @@ def imbalance(values: list[float]) -> list[tuple[float, float]]:
     and how long it waits for the slowest at the next collective."""
     mean, top = sum(values) / len(values), max(values)
     return [(v / mean if mean else 0.0, top - v) for v in values]
+
+
+# ----------------------------------------------------------------------------------------
+# the plans' arithmetic (plan.py): work between query and key blocks, reduce groups
+
+
+@lru_cache(maxsize=64)
+def pair_matrix(T: int, n: int, split: str) -> np.ndarray:
+    """(n, n) int64: [q, k] = the (query, key) pairs with key position <= query position,
+    queries on rank q, keys on rank k. Sums to T (T + 1) / 2; row q sums to
+    causal_pairs(positions(split, n, T)[q])."""
+    pos = positions(split, n, T)
+    out = np.zeros((n, n), dtype=np.int64)
+    for k in range(n):
+        for q in range(n):
+            # keys of rank k at or before each query of rank q
+            out[q, k] = int(np.searchsorted(pos[k], pos[q], side="right").sum())
+    return out
+
+
+def work_shares(T: int, n: int, split: str) -> np.ndarray:
+    """(n, n) float: pair_matrix as fractions of the whole sequence's pairs. The plans share
+    the whole sequence's attention-core FLOPs (setup.layer_flops: 4BT^2C, the causal mask
+    not discounted, as at cp 1) out in these proportions, so cp 1 and cp n total the same
+    work and contiguous's last rank does (2n-1)/n of the mean."""
+    pairs = pair_matrix(T, n, split)
+    return pairs / pairs.sum()
+
+
+def reduce_group(n: int, split: str, root: int) -> tuple[int, ...]:
+    """--cp-grad-reduce reduce: the cp ranks (root first) whose queries attend to keys of
+    `root`, so hold partial sums of its key/value gradients. Contiguous: the root and the
+    ranks after it. Interleaved and zigzag: every rank holds tokens after some of the root's,
+    so every group is the whole cp group (n reduces of one block each, rotated)."""
+    if split == "contiguous":
+        return tuple(range(root, n))
+    return tuple((root + i) % n for i in range(n))
+
+
+def reduce_groups(n: int, split: str, r: int) -> list[int]:
+    """The roots of the reduces cp rank r takes part in, in the order every rank issues
+    them (root 0 first); a group of one rank (contiguous's last) sends nothing and is left
+    out."""
+    return [i for i in range(n) if r in (g := reduce_group(n, split, i)) and len(g) > 1]

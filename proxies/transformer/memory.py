@@ -8,14 +8,22 @@ scratch, the collective buffers and one buffer per pipeline message. MoE's per-p
 temporaries (moe.py) are not modelled beyond the dispatch buffers. Model/none compute: the
 BufferPool of the plan (no parameters; for GPT-3 twice the largest message, not the
 gradients; GPT-2's buckets are not limited in flight, each one its own buffer).
+
+Context parallelism (cpshard.py): every activation is of the rank's T/cp tokens, and the
+attention core's state is the family's: the gathered k|v and the blocks' softmax
+(allgather), one kept k|v block and the log-sum-exp (ring), the whole sequence's
+head-sharded qkv and softmax (alltoall); the cp messages' buffers are added.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from proxies.core import memory
 from proxies.core.plan import Plan, block_range
 from proxies.core.schedules import SCHEDULES
-from proxies.transformer import fast
+from proxies.transformer import cp as cpsplit
+from proxies.transformer import cp_kernels, fast
 from proxies.transformer.kernels import CLASSIFIER_CHUNK
 from proxies.transformer.layout import Layout
 from proxies.transformer.runtime import BufferPool
@@ -71,7 +79,36 @@ def live_states(S: Setup, stage: int) -> list[int]:
     return [peak.get(c, 0) for c in range(S.v)]
 
 
+def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
+    """Context parallelism, elements: (per layer: the family's attention state in place of
+    the (B, NH/tp, T/cp, T/cp) softmax; the backward's score gradient likewise; the cp
+    buffers). Sized for the largest rank's (the contiguous split's last)."""
+    B, T, n, C, tp = S.B, S.T, S.cp, S.cfg.n_embd, S.tp
+    Tl, NHl, kv = S.Tc, S.cfg.n_head // tp, B * S.Tc * 2 * C // tp
+    if S.cp_comm == "allgather":
+        att = max(cp_kernels.att_size(p, B, NHl) for p in cpsplit.positions(S.cp_split, n, T))
+        scores = B * NHl * cp_kernels.BLOCK_Q * T  # one block's (dP) at a time
+        return B * T * 2 * C // tp + att, scores + B * T * 2 * C // tp, 2 * n * kv
+    if S.cp_comm == "ring":
+        return kv + B * NHl * Tl, B * NHl * Tl * Tl + 2 * kv + 2 * B * Tl * C // tp, 4 * kv
+    att = B * (NHl // n) * T * T + B * T * 3 * C // tp // n
+    return att, B * (NHl // n) * T * T + B * T * 4 * C // tp // n, B * Tl * 4 * C // tp
+
+
 def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
+    if S.cp > 1:  # the rank's T/cp tokens, the attention core's state replaced
+        Sl = replace(S, T=S.Tc, cp=1)
+        parts = real_parts(Sl, stage, dp_rank)
+        layer, work, bufs = cp_parts(S, stage)
+        B, NHl, Tl = S.B, S.cfg.n_head // S.tp, S.Tc
+        layers = sum(
+            k * len(ch.layers)
+            for k, ch in zip(live_states(S, stage), S.chunks(stage), strict=False)
+        )
+        parts["activations"] += F32 * layers * (layer - B * NHl * Tl * Tl)
+        parts["workspace"] += F32 * (work - B * NHl * Tl * Tl)
+        parts["buffers"] += F32 * bufs
+        return parts
     lay = Layout(S, stage)
     n = lay.dense_size + lay.expert_size
     held = n  # AdamW's moments: of everything, or (ZeRO-1) of this rank's dense block

@@ -40,12 +40,15 @@ module (fast, or the reference kernels: same names and signatures).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import ModuleType
 
 import numpy as np
 
 from proxies.transformer import fast
 from proxies.transformer.config import GPT2Config, normal
+from proxies.transformer.cpshard import PIECES as CP_PIECES
+from proxies.transformer.cpshard import ContextParallelPieces
 from proxies.transformer.head import HeadPieces
 from proxies.transformer.layout import Layout, init_layer
 from proxies.transformer.moe import MoEPieces
@@ -55,7 +58,7 @@ from proxies.transformer.state import ChunkActs, LayerActs
 from proxies.transformer.whole import WholeStage
 
 
-class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
+class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
     """The real compute of one rank: its chunks' layers, TP rank r's shard of each tensor.
 
     compute(name, mb, chunk) runs one piece ("fwd_attn:5", "bwd_head" ...); pieces of one
@@ -72,15 +75,20 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
         seed: int = 0,
         dtype=np.float32,
         kernels: ModuleType = fast,
+        cp_rank: int = 0,
     ) -> None:
         if S.layers_only:
             raise ValueError("real compute needs the embedding and LM head (not layers_only)")
+        self.dtype = np.dtype(dtype)
+        self.NHl = S.cfg.n_head // S.tp  # local heads
+        self.cp_init(S, cp_rank)
+        if S.cp > 1:  # every piece but attention's core on this rank's T/cp tokens (cpshard.py)
+            S = replace(S, T=S.Tc, cp=1)
         self.S, self.stage, self.r, self.dtype = S, stage, tp_rank, np.dtype(dtype)
         self.k = kernels
         self.layout = Layout(S, stage)
         self.chunks = {ch.index: ch for ch in self.layout.chunks}
         cfg, C, tp = S.cfg, S.cfg.n_embd, S.tp
-        self.NHl = cfg.n_head // tp  # local heads
         self.Vl = S.vocab // tp  # vocabulary rows held
         self.lo = tp_rank * self.Vl  # first vocabulary row held
         self.valid = max(0, min(self.Vl, cfg.vocab_size - self.lo))  # rows that are not padding
@@ -216,7 +224,7 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
                 ln1_mean=e(B, Ts),
                 ln1_rstd=e(B, Ts),
                 qkv=e(B, T, 3 * C // tp),
-                att=e(B, self.NHl, T, T),
+                att=e(B, self.NHl, T, T) if self.cp is None else e(0),
                 atty=e(B, T, C // tp),
                 res2=e(B, Ts, C),
                 ln2=e(B, Ts, C),
@@ -226,6 +234,8 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
             )
             if not S.moe:
                 a.fch, a.fch_gelu = e(B, T, 4 * C // tp), e(B, T, 4 * C // tp)
+            if self.cp is not None:
+                self._cp_alloc(a)
             st.layers[l] = a
         if ch.head:
             st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(B, Ts), e(B, Ts), e(B, T)
@@ -245,8 +255,14 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
         fn = getattr(self, "_sp_" + kind, None) if self.S.sp else None
         fn = fn or getattr(self, "_" + kind, None)
         if fn is None or not kind.startswith(("fwd_", "bwd_")):
-            raise ValueError(f"unknown compute op {name!r}")
+            if self.cp is None or kind.rstrip("0123456789") not in CP_PIECES:
+                raise ValueError(f"unknown compute op {name!r}")
         ch = self.chunks[chunk]
+        if self.cp is not None and layer:
+            if self.S.sp and kind == "bwd_attn":
+                return self._cp_sp_bwd_attn(self._state(mb, chunk), ch, mb, int(layer))
+            if self._cp_piece(kind, self._state(mb, chunk), ch, mb, int(layer)):
+                return None
         return (
             fn(self._state(mb, chunk), ch, mb, int(layer))
             if layer
@@ -260,11 +276,14 @@ class StageShard(HeadPieces, MoEPieces, SequenceParallelPieces, WholeStage):
         """x0 (B,Ts,C): the embedding (after its allreduce, plus wpe) or the received input."""
         S = self.S
         if ch.embed:
+            # wpe at each token's position: with cp, the split's (cpshard.py)
+            pos = self.pos if self.cp is not None else slice(0, S.T)
             if S.sp:  # Megatron: allreduce, add wpe, keep this rank's sequence shard
                 lo = self.r * S.Ts
-                np.add(self._full()[:, lo : lo + S.Ts], self.w["wpe"][lo : lo + S.Ts], out=st.x0)
+                wpe = self.w["wpe"][pos][lo : lo + S.Ts]
+                np.add(self._full()[:, lo : lo + S.Ts], wpe, out=st.x0)
             else:
-                np.add(self._full(), self.w["wpe"][: S.T], out=st.x0)
+                np.add(self._full(), self.w["wpe"][pos], out=st.x0)
         else:
             st.x0[...] = self.message("act_in", mb, ch.index)
         return st.x0

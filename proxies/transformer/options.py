@@ -316,8 +316,8 @@ def megatron_virtual(args: argparse.Namespace, layers: int, stages: int) -> int:
 
 def add_cp(p: argparse.ArgumentParser) -> None:
     """--cp and how it splits the sequence and exchanges keys and values
-    (transformer/context.py); the rules are cp_rules'."""
-    from proxies.transformer import context
+    (transformer/cpmod.py); the rules are cp_rules'."""
+    from proxies.transformer import cp as cpmod
 
     g = p.add_argument_group("context parallelism")
     g.add_argument(
@@ -327,11 +327,11 @@ def add_cp(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="context-parallel degree: each sequence split over N ranks by its tokens "
-        "(cp x dp x tp x pp = world size; compute model or none for now)",
+        "(cp x dp x tp x pp = world size)",
     )
     g.add_argument(
         "--cp-split",
-        choices=context.SPLITS,
+        choices=cpmod.SPLITS,
         default="zigzag",
         help="which tokens each cp rank holds: contiguous blocks, interleaved (token t on "
         "rank t mod N) or zigzag (2N chunks, rank i holds i and 2N-1-i: Megatron-LM's, "
@@ -339,7 +339,7 @@ def add_cp(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cp-comm",
-        choices=context.COMMS,
+        choices=cpmod.COMMS,
         default="ring",
         help="what attention exchanges per layer: allgather (the keys and values of all "
         "ranks), ring (N-1 key/value block passes, Megatron-LM's p2p; the default) or "
@@ -347,7 +347,7 @@ def add_cp(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cp-grad-reduce",
-        choices=context.GRAD_REDUCES,
+        choices=cpmod.GRAD_REDUCES,
         help="with --cp-comm allgather: the key/value gradients' reduction: one allreduce "
         "(the default), N reduces each rooted at the keys' owner, or a reduce-scatter",
     )
@@ -367,8 +367,6 @@ def cp_rules(
             f"world size {world} is not cp * dp * tp * pp: not a multiple of --cp {n} x "
             f"{tp_text}STAGES {pp} = {n * tp * pp}"
         )
-    if args.compute in ("real", "replay"):
-        raise err(f"--cp > 1 runs with --compute model or none for now (not {args.compute})")
     if args.cp_grad_reduce is not None and args.cp_comm != "allgather":
         raise err(f"--cp-grad-reduce needs --cp-comm allgather (it is {args.cp_comm})")
     parts = 2 * n if args.cp_split == "zigzag" else n

@@ -15,7 +15,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import P2P, Collective, Compute, Msg, Op, Plan, Wait
 from proxies.core.schedules import SCHEDULES
-from proxies.transformer import context
+from proxies.transformer import cp as cpmod
 from proxies.transformer.config import GPT2Config, backward_pieces, stage_flops, stage_layout
 from proxies.transformer.layout import Layout
 from proxies.transformer.layout import Unit as LayoutUnit
@@ -70,14 +70,14 @@ class Pieces:
         """Context parallel: each rank's pieces on its B * T / cp tokens; the attention core
         split into the qkv and output projections around it, and the core's FLOPs (QK^T and
         AV of the whole sequence, as layer_flops counts them) shared out by the split's
-        causal work between query and key blocks (context.work_shares)."""
+        causal work between query and key blocks (cpmod.work_shares)."""
         S, C, tp, Nc = self.S, self.S.cfg.n_embd, self.S.tp, self.S.Nc
         self.f_qkv, self.f_proj = 6.0 * Nc * C * C / tp, 2.0 * Nc * C * C / tp
         self.f_core = 4.0 * S.B * S.T * S.T * C / tp
         self.f_mlp = 16.0 * Nc * C * C / tp
         self.f_qkv_bwd = 2 * self.f_qkv
         self.f_head = 2.0 * Nc * C * S.vocab / tp
-        self.shares = context.work_shares(S.T, S.cp, S.cp_split)
+        self.shares = cpmod.work_shares(S.T, S.cp, S.cp_split)
         self.tp_count = Nc * C
         self.kv = S.B * S.Tc * 2 * C // tp  # one rank's keys and values (B, T/cp, 2C/tp)
 
@@ -89,8 +89,8 @@ class Pieces:
         _, prev, nxt = place
         return P2P(
             "cp_ring",
-            sends=(Msg(nxt, context.RING_TAG, f"{name}_out", 0, count),),
-            recvs=(Msg(prev, context.RING_TAG, f"{name}_in", 0, count),),
+            sends=(Msg(nxt, cpmod.RING_TAG, f"{name}_out", 0, count),),
+            recvs=(Msg(prev, cpmod.RING_TAG, f"{name}_in", 0, count),),
             category="cp",
             req=req,
         )
@@ -151,7 +151,7 @@ class Pieces:
                 ]
             return items + [
                 Collective("reduce", f"cp_r{i}", "cp_dkv", self.kv, category="cp_reduce")
-                for i in context.reduce_groups(n, S.cp_split, r)
+                for i in cpmod.reduce_groups(n, S.cp_split, r)
             ]
         if S.cp_comm == "alltoall":
             C = S.cfg.n_embd // S.tp
@@ -409,8 +409,8 @@ def groups(S: Setup, grid: ProcessGrid, rank: int) -> dict[str, tuple[int, ...]]
     if S.cp > 1:
         cp = out["cp"] = grid.group("cp", rank)
         if S.cp_comm == "allgather" and S.cp_reduce == "reduce":
-            for i in context.reduce_groups(S.cp, S.cp_split, c["cp"]):
-                out[f"cp_r{i}"] = tuple(cp[j] for j in context.reduce_group(S.cp, S.cp_split, i))
+            for i in cpmod.reduce_groups(S.cp, S.cp_split, c["cp"]):
+                out[f"cp_r{i}"] = tuple(cp[j] for j in cpmod.reduce_group(S.cp, S.cp_split, i))
     if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only:
         out["embed"] = (pp_ranks[0], pp_ranks[-1])
     return out

@@ -8,7 +8,14 @@ Buffers by the names the plans give them (transformer/plan.py):
   Span("grads", lo, hi), one tensor's "grad:<name>" (per-tensor, the tied "grad:wte"), and
   "params" (ZeRO-1's allgather); offsets as config.stage_layout (Setup.param_order);
 - GPT-3: bucket k of the dense / expert gradients ("dpgrad" | "edpgrad", k), "wte_grad", and
-  the tensor-/expert-parallel buffers "tp", "ce", "moe", "moe_tp", "moe_dscore", "sp_grads".
+  the tensor-/expert-parallel buffers "tp", "ce", "moe", "moe_tp", "moe_dscore", "sp_grads";
+- context parallelism: "cp_kv", "cp_dkv" (allgather), the ring's "cp_kv_out" ... "cp_dkv_in",
+  "cp_qkv", "cp_out" (alltoall): the StageShard's (cpshard.py cp_buffer).
+
+With --cp, each cp rank reads the same samples as the others of its replica, the columns at
+its positions (cp.positions); its loss is its tokens' mean, the gradient scaled by 1/cp more
+(the weight gradients are summed over dp x cp), and the reported loss, the mean over the
+ranks that report one, is the whole sequence's.
 
 Compute: GPT-3's pieces ("fwd_attn:3" ...), "sp_pack", "sp_unpack"; GPT-2's whole-stage
 "forward", "backward", "backward:<piece>" (whole.py); "optimizer": AdamW (ZeRO-1: on this
@@ -102,8 +109,10 @@ class Runtime:
         if mode in ("real", "replay"):
             from proxies.transformer.model import StageShard
 
-            self.model = StageShard(S, stage, tp_rank, ep_rank, seed=S.seed)
-            self.model.loss_scale = 1.0 / (S.m * S.dp)  # the DP sum: the global mean's gradient
+            cp_rank = plan.coords.get("cp", 0)
+            self.model = StageShard(S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank)
+            # the DP (x CP) sum: the global mean's gradient
+            self.model.loss_scale = 1.0 / (S.m * S.dp * S.cp)
             self.model.batch = self._batch
         else:
             self.pool = BufferPool(plan, S.inflight)
@@ -127,6 +136,8 @@ class Runtime:
         if name in ("dpgrad", "edpgrad"):
             lo, hi = self._bucket(name, mb)
             return (model.grads if name == "dpgrad" else model.egrads)[lo:hi]
+        if name.startswith("cp_"):
+            return model.cp_buffer(name)
         if name == "wte_grad":
             lo, hi = self.layout.wte
             return model.grads[lo:hi]
@@ -152,7 +163,11 @@ class Runtime:
     def _batch(self, mb: int):
         S = self.S
         g = (self.iteration * S.dp + self.dp_rank) * S.m * S.B + mb * S.B
-        return batch(self.source, g, S.B)
+        tokens, targets = batch(self.source, g, S.B)
+        if S.cp > 1:  # this cp rank's tokens of the samples
+            pos = self.model.pos
+            return np.ascontiguousarray(tokens[:, pos]), np.ascontiguousarray(targets[:, pos])
+        return tokens, targets
 
     def _loss(self, loss: float | None) -> None:
         if loss is not None:

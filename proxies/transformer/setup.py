@@ -136,7 +136,7 @@ class Setup:
     # backward), fused, per-tensor, zero1, or per-layer (gpt2's C++ parity schedule).
     sync: str = "buckets"
     bucket_mb: float | None = None  # the bucket size as given in MiB (None: not given)
-    # Context parallelism (transformer/context.py): the sequence split over cp ranks by its
+    # Context parallelism (transformer/cp.py): the sequence split over cp ranks by its
     # tokens, how they split it and what attention exchanges; cp = 1: none.
     cp: int = 1
     cp_split: str = "zigzag"  # contiguous | interleaved | zigzag

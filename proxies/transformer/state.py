@@ -28,6 +28,10 @@ class LayerActs:
     fch: np.ndarray | None = None  # (B,T,4C/tp) dense MLP only
     fch_gelu: np.ndarray | None = None  # (B,T,4C/tp)
     inp: np.ndarray | None = None  # (B,Ts,C) a view of x0 or the layer below's res3
+    # context parallelism (cpshard.py): the gathered k|v (B,T,2C/tp), the ring's kept block
+    # (B,T/cp,2C/tp), or Ulysses' head-sharded qkv (B,T,3C/tp/cp); the ring's log-sum-exp
+    kv: np.ndarray | None = None
+    lse: np.ndarray | None = None  # (B,NH/tp,T/cp)
     # MoE (moe.py): this micro-batch's routing and what the experts keep
     scores: np.ndarray | None = None  # (Ns,k) softmax over the k chosen
     topk: np.ndarray | None = None  # (Ns,k) chosen experts

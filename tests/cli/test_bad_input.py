@@ -25,7 +25,7 @@ CASES = [
     (2, ["8", "2", "--num-layers", "6"], ["--num-layers 6 and LAYERS = 8 differ"]),
     (2, ["4", "--global-batch-size", "3", "--micro-batch-size", "2"], ["not a multiple of"]),
     (4, ["4", "--cp", "3", "--compute", "none"], ["world size 4", "not a multiple of --cp 3"]),
-    (2, ["4", "--cp", "2", "--compute", "real"], ["--cp > 1 runs with --compute model or none"]),
+    (2, ["4", "--cp", "2", "--zero", "1"], ["--cp > 1 syncs gradients in buckets", "--zero 1"]),
     (2, ["4", "--cp", "2", "--seq-len", "66"], ["--seq-len 66 is not a multiple of 2 x --cp 2"]),
 ]
 

@@ -20,7 +20,7 @@ from proxies.core.simulate import simulate
 from proxies.gpt2 import proxy as gpt2
 from proxies.gpt3 import proxy as gpt3
 from proxies.gpt3.proxy import main, make_job, parser
-from proxies.transformer import context
+from proxies.transformer import cp as cpsplit
 
 C = 64  # gpt3-tiny's width (4 heads)
 T = 64
@@ -47,17 +47,17 @@ def cp_ops(plan) -> list:
 
 def test_causal_pairs_by_hand():
     # T = 8 over 2 ranks; a query at p sees the keys at 0..p
-    contiguous = context.causal_pairs(8, 2, "contiguous")  # rank 0: 0-3, rank 1: 4-7
+    contiguous = cpsplit.pair_matrix(8, 2, "contiguous")  # rank 0: 0-3, rank 1: 4-7
     assert contiguous.tolist() == [[1 + 2 + 3 + 4, 0], [4 * 4, 1 + 2 + 3 + 4]]
-    zigzag = context.causal_pairs(8, 2, "zigzag")  # chunks of 2: rank 0 {0,1,6,7}, 1 {2,3,4,5}
+    zigzag = cpsplit.pair_matrix(8, 2, "zigzag")  # chunks of 2: rank 0 {0,1,6,7}, 1 {2,3,4,5}
     assert zigzag.tolist() == [[1 + 2 + 3 + 4, 4 * 2], [2 * 4, 1 + 2 + 3 + 4]]
-    inter = context.causal_pairs(8, 2, "interleaved")  # rank 0 {0,2,4,6}, rank 1 {1,3,5,7}
+    inter = cpsplit.pair_matrix(8, 2, "interleaved")  # rank 0 {0,2,4,6}, rank 1 {1,3,5,7}
     assert inter.tolist() == [[1 + 2 + 3 + 4, 0 + 1 + 2 + 3], [1 + 2 + 3 + 4, 1 + 2 + 3 + 4]]
-    for split in context.SPLITS:
-        assert context.causal_pairs(1024, 4, split).sum() == 1024 * 1025 // 2
+    for split in cpsplit.SPLITS:
+        assert cpsplit.pair_matrix(1024, 4, split).sum() == 1024 * 1025 // 2
 
 
-@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("split", cpsplit.SPLITS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_messages_peers_and_sizes(n, split):
     j = cp_job(n, "ring", split)
@@ -78,7 +78,7 @@ def test_ring_messages_peers_and_sizes(n, split):
     simulate([j.plan(r) for r in range(n)])
 
 
-@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("split", cpsplit.SPLITS)
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("reduce", ["allreduce", "reduce-scatter", "reduce"])
 def test_allgather_and_its_gradient_reductions(n, split, reduce):
@@ -107,7 +107,7 @@ def test_allgather_and_its_gradient_reductions(n, split, reduce):
     simulate([j.plan(r) for r in range(n)])
 
 
-@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("split", cpsplit.SPLITS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_alltoall_ulysses(n, split):
     j = cp_job(n, "alltoall", split)
@@ -129,8 +129,8 @@ def layer_flops(plan, prefix: str) -> float:
     )
 
 
-@pytest.mark.parametrize("comm", context.COMMS)
-@pytest.mark.parametrize("split", context.SPLITS)
+@pytest.mark.parametrize("comm", cpsplit.COMMS)
+@pytest.mark.parametrize("split", cpsplit.SPLITS)
 def test_work_adds_up_to_one_process_and_shows_the_imbalance(comm, split):
     n = 4
     one = job(["1", "1", *TINY, "--compute", "model"], 1).plan(0)
@@ -144,7 +144,7 @@ def test_work_adds_up_to_one_process_and_shows_the_imbalance(comm, split):
     if comm == "alltoall":  # every rank: all tokens of its heads
         assert core == pytest.approx(core.mean())
         return
-    pairs = context.causal_pairs(T, n, split).sum(axis=1)
+    pairs = cpsplit.pair_matrix(T, n, split).sum(axis=1)
     ranks = [p.groups["cp"].index(p.rank) for p in plans]
     assert core == pytest.approx(4.0 * T * T * C * pairs[ranks] / pairs.sum())
     if split == "contiguous":  # the last rank: (2n-1)/n of the mean, less 1/T
@@ -203,8 +203,6 @@ BAD = [
     ),
     (["--cp", "4", "--cp-comm", "alltoall", "--tp", "2"], 8, "2 attention heads per tensor"),
     (["--cp", "2", "--cp-grad-reduce", "reduce"], 2, "--cp-grad-reduce needs --cp-comm allgather"),
-    (["--cp", "2", "--compute", "real"], 2, "--cp > 1 runs with --compute model or none"),
-    (["--cp", "2", "--compute", "replay"], 2, "--cp > 1 runs with --compute model or none"),
     (["--cp", "2", "--moe-experts", "4"], 2, "--cp with --moe-experts"),
     (
         ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
@@ -212,6 +210,14 @@ BAD = [
         "not a multiple of --tp 4",
     ),
 ]
+
+
+@pytest.mark.parametrize("compute", ["real", "replay"])
+def test_real_and_replay_compute_are_accepted(compute):
+    """No longer refused (cpshard.py computes each rank's tokens)."""
+    job = make_job(parser().parse_args(["4", "1", "--model", "gpt3-tiny", "--cp", "2",
+                                        "--compute", compute]), 2)  # fmt: skip
+    assert job.config["cp"] == 2
 
 
 @pytest.mark.parametrize("argv,world,words", BAD, ids=[" ".join(b[0]) for b in BAD])
