@@ -185,8 +185,8 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
 
 def cp_defaults(args) -> None:
     """--cp > 1: GPT-2 plans as GPT-3 does at tp 1 (per-layer pieces, so the cp exchanges
-    sit inside each layer; GPT-3's gradient buckets of whole layers), without compute for
-    now. Refuses what that cannot do; compute defaults to model."""
+    sit inside each layer; GPT-3's gradient buckets of whole layers). Refuses what that
+    cannot do; compute defaults to model (--compute real runs it too)."""
     err = cli.UsageError
     if args.schedule == "cpp" or (args.schedule is None and args.model == cpp.PRESET):
         raise err("--schedule cpp is the C++ proxy's iteration, which has no context parallelism")

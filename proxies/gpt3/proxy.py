@@ -216,7 +216,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     m = args.micro_batches or 2 * pp
     err = cli.UsageError
     if args.compute is None:
-        # real for the tiny preset, until context parallelism has real compute
+        # real for the tiny preset; with --cp > 1 model (--compute real runs it too)
         args.compute = "real" if args.model == "gpt3-tiny" and args.cp == 1 else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
