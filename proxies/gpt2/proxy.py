@@ -120,6 +120,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
     options.megatron_batch(args, world, args.stages * args.cp, "MICROBATCHES")
     cfg = PRESETS[cpp.WIDTHS if args.model == cpp.PRESET else args.model]
+    cfg = options.with_context(args, cfg)  # --context: a longer position embedding
     L = args.layers or cfg.n_layer
     pp, m, B, T = args.stages, args.micro_batches, args.micro_batch, args.seq_len
     options.check_shape(

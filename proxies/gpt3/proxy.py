@@ -208,6 +208,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """Check the options against each other and the world size; UsageError names the rule."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     cfg = PRESETS[args.model]
+    cfg = options.with_context(args, cfg)  # --context: a longer position embedding
     L = args.layers or cfg.n_layer
     pp, tp, B, cp = args.stages, args.tp, args.micro_batch, args.cp
     options.megatron_batch(args, world, tp * pp * cp, "--micro-batches")

@@ -5,11 +5,13 @@ refuse the same mistakes with the same words), and the stage split."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import numpy as np
 
 from proxies.core import cli, memory
+from proxies.transformer.config import GPT2Config
 from proxies.transformer.data import DataError, Synthetic, TokenFile
 
 MAX_TAG_MICROBATCHES = 16383  # m * v: pipeline tags stay below 32768 (core/pipeline.py)
@@ -39,9 +41,28 @@ def add_shape(p: argparse.ArgumentParser, stages_help: str) -> None:
     )
 
 
+MAX_CONTEXT = 2**24  # position-embedding rows: 16M tokens, past any model trained today
+
+
 def add_seq_len(p: argparse.ArgumentParser, help: str) -> None:
-    """--seq-len (Megatron's --seq-length); the default is the front end's to resolve."""
+    """--seq-len (Megatron's --seq-length), the default the front end's to resolve; and
+    --context (Megatron's --max-position-embeddings), the rows of the position embedding,
+    for sequences longer than the preset's (context parallelism's long contexts)."""
     p.add_argument("--seq-len", "--seq-length", type=cli.positive_int, metavar="T", help=help)
+    p.add_argument(
+        "--context",
+        "--max-position-embeddings",
+        type=cli.integer(min=1, max=MAX_CONTEXT, what=f"an integer in 1..{MAX_CONTEXT}"),
+        metavar="N",
+        help="rows of the position embedding, the longest --seq-len (default: the preset's "
+        "context); e.g. gpt2-xl at --seq-len 16384 --context 16384 --cp 8",
+    )
+
+
+def with_context(args: argparse.Namespace, cfg: GPT2Config) -> GPT2Config:
+    """The preset with --context rows of position embedding, where given."""
+    n = getattr(args, "context", None)
+    return cfg if n is None else dataclasses.replace(cfg, max_seq_len=n)
 
 
 def add_micro_batch(p: argparse.ArgumentParser, help: str, default: int | None = None) -> None:
@@ -190,7 +211,10 @@ def check_shape(
             f"STAGES {pp} = {tp * pp}"
         )
     if seq_len > context:
-        raise err(f"--seq-len {seq_len} is longer than {model}'s context of {context}")
+        raise err(
+            f"--seq-len {seq_len} is longer than {model}'s context of {context} (--context N "
+            "lengthens its position embedding)"
+        )
     if micro_batches * virtual > MAX_TAG_MICROBATCHES:
         what = (
             f"MICROBATCHES = {micro_batches}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proxies.core.cli import UsageError
-from proxies.core.plan import Collective
+from proxies.core.plan import P2P, Collective
 from proxies.gpt3.proxy import make_job, parser
 from proxies.transformer.options import bucket_elements, split_layers
 
@@ -175,3 +175,20 @@ def test_gpt2_micro_batches_option_is_the_positional():
 def test_gpt2_micro_batches_option_and_positional_differ():
     with pytest.raises(UsageError, match="--micro-batches 3 and MICROBATCHES = 2 differ"):
         plans(gpt2, ["8", "4", "2", "--micro-batches", "3"], 8)
+
+
+# -- --context: long sequences past the preset's position embedding (context parallelism) ---
+
+
+def test_context_lengthens_the_position_embedding():
+    argv = ["48", "1", "--model", "gpt2-xl", "--seq-len", "16384", "--compute", "none"]
+    with pytest.raises(UsageError, match="longer than gpt2-xl's context of 1024 .--context N"):
+        plans(gpt2, argv + ["--cp", "8"], 8)
+    ops, config = plans(gpt2, argv + ["--context", "16384", "--cp", "8"], 8)
+    # the ring's key/value block: B x T/cp x 2C = 1 x 2048 x 3200
+    sizes = {
+        m.count for op in ops[0] if isinstance(op, P2P) for m in op.sends if m.buf == "cp_kv_out"
+    }
+    assert sizes == {2048 * 3200}
+    # wpe has 16384 rows: 15360 x 1600 more parameters than the preset's 1,557,611,200
+    assert config["params"] == 1_557_611_200 + 15360 * 1600
