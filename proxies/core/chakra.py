@@ -7,9 +7,10 @@ Chakra execution traces, one `<prefix>.<rank>.et` per rank (the name ASTRA-sim's
 ASTRA-sim's `--comm-group-configuration` reads: {"<pg_name>": [world ranks]}.
 
 What each node carries (attribute names and types as Chakra's PyTorch converter writes them):
-- Compute: COMP_NODE, duration_micros (the op's modelled time: its known seconds, else FLOPs at
-  --device-tflops or the machine file's rate; measured times where a run supplies them),
-  num_ops (int64 FLOPs), is_cpu_op false.
+- Compute: COMP_NODE, duration_micros (a dry run: the op's modelled time, its known seconds,
+  else FLOPs at --device-tflops or the machine file's rate; a run: the op's measured time,
+  the mean over the timed iterations, see `export_measured`), num_ops (int64 FLOPs),
+  is_cpu_op false.
 - A P2P batch: one COMM_SEND_NODE / COMM_RECV_NODE per message, comm_src, comm_dst,
   comm_tag, comm_size (int64 bytes), is_cpu_op false.
 - A Collective: COMM_COLL_NODE, comm_type (Chakra's CollectiveCommType), comm_size (int64
@@ -31,8 +32,10 @@ line and exit status 2 before any planning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -113,9 +116,10 @@ Record = tuple[int, str, str, int, tuple, list[int], list[int]]
 
 
 def rank_records(
-    plan: Plan, names: tuple[str, ...], world: int, seconds: Callable[[Compute], float]
+    plan: Plan, names: tuple[str, ...], world: int, seconds: Callable[[int, Compute], float]
 ) -> list[Record]:
-    """The nodes of one rank's plan, ids 1.. in plan order (see the module doc)."""
+    """The nodes of one rank's plan, ids 1.. in plan order (see the module doc).
+    `seconds(i, op)`: the duration of compute op `op`, the plan's op number `i`."""
     out: list[Record] = []
     frontier: list[int] = []  # what the next op depends on
     pending: dict[str, list[int]] = {}  # req -> its non-blocking op's node ids
@@ -125,9 +129,9 @@ def rank_records(
         out.append((len(out) + 1, name, kind, us, attrs, deps, list(ctrl)))
         return len(out)
 
-    for op in plan.ops:
+    for k, op in enumerate(plan.ops):
         if isinstance(op, Compute):
-            us = max(0, round(seconds(op) * 1e6))
+            us = max(0, round(seconds(k, op) * 1e6))
             name = op.name + (f" mb {op.mb}" if op.mb >= 0 else "") + f" chunk {op.chunk}"
             attrs = (("num_ops", "int64_val", int(op.flops)),)
             frontier = [node(name, "COMP_NODE", frontier, attrs, us)]
@@ -210,7 +214,7 @@ def write_rank(path: str, blobs: Iterable[bytes], meta: dict[str, str]) -> int:
     pb, lib = load(), protolib()
     gm = pb.GlobalMetadata(version=SCHEMA)
     gm.attr.extend(_attr(pb, k, string_val=v) for k, v in meta.items())
-    with open(path, "wb") as f:
+    with atomic(path, "wb") as f:
         lib.encodeMessage(f, gm)
         for b in blobs:
             f.write(_varint(len(b)))
@@ -218,17 +222,32 @@ def write_rank(path: str, blobs: Iterable[bytes], meta: dict[str, str]) -> int:
         return f.tell()
 
 
+@contextlib.contextmanager
+def atomic(path: str, mode: str = "w"):
+    """A file written under a temporary name and renamed onto `path` when complete: a
+    reader (or a run killed half-way) never sees half a trace."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def export(
     job,
     directory: str,
     rate: float,
     ranks: Iterable[int] | None = None,
-    measured: dict[int, dict] | None = None,
+    measured: dict[int, list[float]] | None = None,
 ) -> dict:
     """Write every rank's trace (or those of `ranks`) and comm_group.json into `directory`.
 
-    Durations: `measured[rank][(name, chunk)]` seconds where given (replayed compute), else
-    the op's modelled time at `rate` FLOP/s. Returns a summary for the console and JSON.
+    Durations: `measured[rank][i]`, the seconds of the rank's plan op number i, where given
+    (a run), else the op's modelled time at `rate` FLOP/s. Returns a summary for the console
+    and JSON.
     """
     pb = load()
     t0 = time.perf_counter()
@@ -244,10 +263,12 @@ def export(
         plan = build(r)
         if len(cache) > 200_000:  # point-to-point contents differ per rank: bound the memory
             cache.clear()
-        times = (measured or {}).get(r, {})
+        times = (measured or {}).get(r)
+        if times is not None and len(times) != len(plan.ops):  # not the plan the rank ran
+            raise ValueError(f"rank {r}: {len(times)} measured ops, its plan has {len(plan.ops)}")
 
-        def seconds(op: Compute, times=times) -> float:
-            return times.get((op.name, op.chunk), op.model_seconds(rate))
+        def seconds(i: int, op: Compute, times=times) -> float:
+            return op.model_seconds(rate) if times is None else times[i]
 
         records = rank_records(plan, names, world, seconds)
         meta = {"generator": f"proxies.{job.proxy}", "rank": str(r), "world_size": str(world)}
@@ -255,7 +276,7 @@ def export(
         nodes_n += len(records)
         groups.update(groups_of(plan, names, world))
     ordered = {k: groups[k] for k in sorted(groups, key=int)}
-    with open(os.path.join(directory, GROUP_FILE), "w") as f:  # a line per group
+    with atomic(os.path.join(directory, GROUP_FILE)) as f:  # a line per group
         f.write(
             "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in ordered.items())
         )
@@ -267,13 +288,37 @@ def export(
         "nodes": nodes_n,
         "bytes": total,
         "groups": len(ordered),
+        "durations": "modelled" if measured is None else "measured",
         "seconds": time.perf_counter() - t0,
     }
 
 
+def write_measured(job, args, measured: list[list[float]]) -> dict | None:
+    """A run's traces (rank 0, after the timed iterations): `measured[rank][i]`, the mean
+    seconds of that rank's plan op number i over the timed iterations, as the compute nodes'
+    durations. Gathered to rank 0 and written there, as --json and --trace are: nothing
+    assumes the ranks share a file system, at the cost of rank 0 rebuilding every rank's
+    plan (a second per thousand ranks or so). The summary for the JSON, printed unless
+    --quiet; None when the folder could not be written (said on stderr, the caller exits
+    non-zero; the run's other results are still written)."""
+    try:
+        s = export(job, args.chakra, args.device_tflops * 1e12, measured=dict(enumerate(measured)))
+    except OSError as e:
+        print(f"{job.prog}: --chakra {args.chakra}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return None
+    s |= {"statistic": "mean", "iterations": args.iters}
+    if not args.quiet:
+        from proxies.core import report
+
+        report.console().print(summary_line(s))
+    return s
+
+
 def summary_line(s: dict) -> str:
+    measured = " with measured compute times" if s.get("durations") == "measured" else ""
     return (
-        f"chakra: {s['files']:,} traces ({s['nodes']:,} nodes, {s['bytes'] / 2**20:.1f} MiB) and "
+        f"chakra: {s['files']:,} traces{measured} ({s['nodes']:,} nodes, "
+        f"{s['bytes'] / 2**20:.1f} MiB) and "
         f"{GROUP_FILE} ({s['groups']:,} groups) in {s['dir']} in {s['seconds']:.1f} s; ASTRA-sim: "
         f"--workload-configuration={s['prefix']} "
         f"--comm-group-configuration={os.path.join(s['dir'], GROUP_FILE)}"

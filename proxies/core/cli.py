@@ -405,7 +405,8 @@ def add_common(
         "--chakra",
         metavar="DIR",
         help="write Chakra execution traces of one iteration into DIR: <proxy>.<rank>.et per "
-        "rank and comm_group.json, for ASTRA-sim (needs the mlc-chakra package)",
+        "rank and comm_group.json, for ASTRA-sim (needs the mlc-chakra package); compute "
+        "times modelled in a dry run, measured in a run (mean over the timed iterations)",
     )
     g.add_argument(
         "--show-ranks",

@@ -165,6 +165,9 @@ class Engine:
         # --trace: a trace.Recorder while an iteration is traced, else None. Every hook is
         # behind one `is not None` check: nothing else is added to an untraced op.
         self.trace = None
+        # --chakra on a run: per plan op, the seconds its compute took, summed over the
+        # iterations the runner counts (it sets the list); None: nothing is accumulated.
+        self.durations: list[float] | None = None
 
     def close(self) -> None:
         """Stop the progress thread (before MPI_Finalize)."""
@@ -528,6 +531,8 @@ class Engine:
                 t.seconds[op.category] += t1 - t0
                 if self.trace is not None:
                     self.trace.compute(op, t0, t1)
+                if self.durations is not None:
+                    self.durations[i] += t1 - t0
             elif isinstance(op, P2P):
                 if op.req:
                     p2p_async.post(self, op, t)

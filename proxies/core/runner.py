@@ -251,6 +251,8 @@ def run(job: Job, args, MPI, machine=None) -> int:
         watchdog.beat(f"barrier before iteration {it}")
         engine.waiter.barrier(world)
         engine.trace = tracer and tracer.recorder(it)
+        if it == args.warmup and args.chakra is not None:  # per-op compute, timed iterations
+            engine.durations = [0.0] * len(plan.ops)
         try:
             t = engine.run_iteration(it)
         except CheckError as e:
@@ -279,6 +281,9 @@ def run(job: Job, args, MPI, machine=None) -> int:
         "waited_for": waits.per_iteration(timed),
     }
     rows = world.gather(row, root=0)
+    # --chakra: each rank's per-op compute seconds, their mean over the timed iterations
+    means = [s / args.iters for s in engine.durations] if engine.durations is not None else None
+    measured = world.gather(means, root=0) if args.chakra is not None else None
     origin = provenance.fields(MPI, world)  # collective: rank 0 gathers the node names
     # replayed compute times per rank, for the prediction beside the measurement
     replays = world.gather(replay, root=0) if machine is not None and replay else None
@@ -325,6 +330,12 @@ def run(job: Job, args, MPI, machine=None) -> int:
         code = exits.DIVERGED
         # strict JSON has no NaN or Infinity: null stands for a loss that was not finite
         result["loss"] = [x if np.isfinite(x) else None for x in result.get("loss", [])]
+    if args.chakra is not None:  # before the JSON, which records what was written
+        from proxies.core import chakra
+
+        result["chakra"] = chakra.write_measured(job, args, measured)
+        if result["chakra"] is None:
+            code = exits.FAILED
     if args.json:
         written = report.write_json(args.json, result, prog=job.prog)
         if written is None:
@@ -391,8 +402,6 @@ def main(job_from_args: Callable, parser, argv: list[str] | None) -> int:
         from proxies.core.dryrun import dry_run
 
         return dry_run(job, args, machine)
-    if args.chakra is not None:  # measured durations need the engine's per-op times
-        raise cli.UsageError("--chakra goes with --dry-run (traces of the plan, modelled times)")
     if args.world_size is not None:
         raise cli.UsageError(
             "--world-size only goes with --dry-run (a real run has mpiexec's size)"

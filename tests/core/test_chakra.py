@@ -246,9 +246,86 @@ def test_bad_directory_is_exit_2(tmp_path):
             proxy.main(["4", "2", "--dry-run", "--world-size", "8", "--chakra", bad])
 
 
-def test_real_run_is_refused_with_exit_2(tmp_path):
-    """Measured traces are not written yet: a run (not a dry run) with --chakra says so."""
-    from proxies.gpt2 import proxy
+# -- a measured run (mpiexec): compute nodes carry the run's own per-op times --------------
 
-    with pytest.raises(cli.UsageError, match="goes with --dry-run"):
-        proxy.main(["4", "2", "--chakra", str(tmp_path)])
+RUNS = {  # 4 ranks each: (module, argv, the categories compute ops book their time to)
+    "gpt2": (
+        "proxies.gpt2",
+        ["8", "4", "4", "--compute", "model", "--device-tflops", "1"],
+        ("compute",),
+    ),
+    "cosmoflow": (  # real kernels: nothing like the modelled 150 TFLOP/s times
+        "proxies.cosmoflow",
+        ["--model", "cosmoflow-tiny", "--global-batch", "2", "--compute", "real"],
+        ("compute", "data"),
+    ),
+}
+
+
+def nodes_by_rank(d) -> list[list]:
+    paths = chakra_check.traces(str(d))  # rank -> file
+    return [chakra_check.read_trace(paths[r])[1] for r in sorted(paths)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", list(RUNS))
+def test_measured_run_carries_the_measured_compute(tmp_path, case):
+    """A 4-rank run with --chakra: the traces read back and validate, have exactly the dry
+    run's nodes (the plan's; checked against the plan above), and each rank's compute nodes
+    add up to the compute the run measured per iteration (--json), within the rounding of
+    each node to whole microseconds plus 3%."""
+    from launch import mpirun
+
+    module, argv, cats = RUNS[case]
+    d, res = tmp_path / "run", tmp_path / "r.json"
+    timed = ["--iters", "2", "--warmup", "1", "--quiet"]
+    r = mpirun(4, module, *argv, *timed, "--chakra", str(d), "--json", str(res), timeout=240)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(res.read_text())
+    s = result["chakra"]
+    assert (s["files"], s["durations"], s["statistic"], s["iterations"]) == (
+        4,
+        "measured",
+        "mean",
+        2,
+    )
+    assert chakra_check.check(str(d)) == []
+    assert not [p for p in d.iterdir() if ".tmp" in p.name]  # written atomically, all renamed
+
+    proxy = importlib.import_module(f"{module}.proxy")  # the same job, dry: modelled times
+    plan_dir = tmp_path / "plan"
+    assert (
+        proxy.main([*argv, "--dry-run", "--world-size", "4", "--quiet", "--chakra", str(plan_dir)])
+        == 0
+    )
+    pb = chakra.load()
+    measured, planned = nodes_by_rank(d), nodes_by_rank(plan_dir)
+    assert s["nodes"] == sum(len(n) for n in planned)
+    per_rank = result["breakdown_per_rank_s"]
+    differ = 0
+    for rank, (got, want) in enumerate(zip(measured, planned, strict=True)):
+        assert [(n.id, n.name, n.type, list(n.data_deps), list(n.ctrl_deps)) for n in got] == [
+            (n.id, n.name, n.type, list(n.data_deps), list(n.ctrl_deps)) for n in want
+        ]
+        comp = [n for n in got if n.type == pb.COMP_NODE and not n.name.startswith("wait ")]
+        assert comp and all(n.duration_micros == 0 for n in got if n.type != pb.COMP_NODE)
+        total = sum(n.duration_micros for n in comp) * 1e-6
+        run_s = sum(per_rank[c][rank] for c in cats if c in per_rank)
+        assert total == pytest.approx(run_s, rel=0.03, abs=0.5e-6 * len(comp)), rank
+        pairs = zip(got, want, strict=True)
+        differ += sum(a.duration_micros != b.duration_micros for a, b in pairs)
+    assert differ  # the run's times, not the plan's
+
+
+@pytest.mark.mpi
+def test_measured_run_bad_directory_is_exit_2(tmp_path):
+    """A DIR that is a file: one line, exit 2, before any MPI work, on every rank."""
+    from launch import mpirun
+
+    afile = tmp_path / "f"
+    afile.write_text("")
+    r = mpirun(2, "proxies.gpt2", "4", "2", "--chakra", str(afile), "--timeout", "20", timeout=60)
+    assert r.returncode == exits.USAGE, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not a directory" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
