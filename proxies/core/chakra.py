@@ -319,7 +319,8 @@ def summary_line(s: dict) -> str:
     return (
         f"chakra: {s['files']:,} traces{measured} ({s['nodes']:,} nodes, "
         f"{s['bytes'] / 2**20:.1f} MiB) and "
-        f"{GROUP_FILE} ({s['groups']:,} groups) in {s['dir']} in {s['seconds']:.1f} s; ASTRA-sim: "
+        f"{GROUP_FILE} ({s['groups']:,} group{'s' if s['groups'] != 1 else ''}) in {s['dir']} "
+        f"in {s['seconds']:.1f} s; ASTRA-sim: "
         f"--workload-configuration={s['prefix']} "
         f"--comm-group-configuration={os.path.join(s['dir'], GROUP_FILE)}"
     )

@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="the folder --chakra wrote")
     p.add_argument("--prefix", help="trace name prefix (default: the only one in DIR)")
     args = p.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(
+            f"{p.prog}: {args.dir}: no such directory (the folder --chakra wrote)", file=sys.stderr
+        )
+        return exits.USAGE
     try:
         chakra.check_option(args.dir)
         problems = check(args.dir, args.prefix)
