@@ -23,10 +23,12 @@ import pytest
 FILES = sorted(glob.glob(os.path.join(golden.GOLDEN_DIR, "*.json.gz")))
 NAMES = [os.path.basename(f).removesuffix(".json.gz") for f in FILES]
 # `slow` (out of the inner loop, still in the full suite), the cases that take seconds to
-# plan and compare: a golden over 256 KiB (GPT-3's 96 GPipe stages on 768 ranks: 1 MB, 6 s,
-# as much as all the others together) and the sweeps' GPT-3 175B points (configs/gpt3-*.yaml:
-# 1 to 5 s each under load, half of what remains). The README's 175B layouts stay in.
-BIG = 256 * 1024
+# plan and compare: a golden over 128 KiB (GPT-3's 96 GPipe stages on 768 ranks: 1 MB, 5 s,
+# as much as all the others together; GPT-2 XL's 16,384 tokens over cp 8: 160,000 ops, 2.6 s
+# of planning, while the README's gpt3-tiny cp 2 and cp 4 cases keep a cp plan in the loop)
+# and the sweeps' GPT-3 175B points (configs/gpt3-*.yaml: 1 to 5 s each under load, half of
+# what remains). The README's 175B layouts stay in.
+BIG = 128 * 1024
 
 
 def slow_golden(path: str, name: str) -> bool:
