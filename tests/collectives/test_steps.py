@@ -1,11 +1,12 @@
 """proxies.core.collectives.steps without MPI: every (kind, alg)'s trace is consistent, and its
 coarse phases carry exactly the trace's bytes, latency and reduce work.
 
-The reference is a tiny event-driven replay of the trace (`replay`): every rank runs its
-list in order; a message matches the next unmatched one of the same (src, dst) pair, starts
-when both ends have posted it and completes at both ends `msg(src, dst)` later; a wait ends
-when its requests have; a reduce of e elements costs red(e). It fails on a size mismatch,
-a deadlock, a handle posted twice or never waited, or an unmatched message.
+The reference is a tiny event-driven replay of the trace (`schedule`, then `finish` for the
+times): every rank runs its list in order; a message matches the next unmatched one of the
+same (src, dst) pair, starts when both ends have posted it and completes at both ends
+`msg(src, dst)` later; a wait ends when its requests have; a reduce of e elements costs
+red(e). It fails on a size mismatch, a deadlock, a handle posted twice or never waited, or an
+unmatched message.
 """
 
 import math
@@ -25,20 +26,25 @@ def counts(kind, n):
     return [c * n for c in base] if kind == "alltoall" else base
 
 
-def replay(tr, msg=lambda s, d: 1.0, red=lambda e: 0):
-    """(the latest rank's finishing time, bytes-in-elements per (src, dst) pair)."""
+def schedule(tr):
+    """Run the trace without clocks: (the events in the order they happened, elements per
+    pair). Which op can go next depends only on which requests have completed, never on
+    when, so one order serves every msg and red (`finish` puts times on it): check() replays
+    each trace once, not once per alpha."""
     n = len(tr)
-    t, pc = [0] * n, [0] * n
-    done, posted, waited = {}, set(), set()
+    pc = [0] * n
+    done, posted, waited = set(), set(), set()
     queues = {"send": defaultdict(deque), "recv": defaultdict(deque)}
     elements = defaultdict(int)
+    order = []
 
     def match(pair):
         sq, rq = queues["send"][pair], queues["recv"][pair]
         while sq and rq:
-            (sr, sh, se, st), (rr, rh, re, rt) = sq.popleft(), rq.popleft()
+            (sr, sh, se), (rr, rh, re) = sq.popleft(), rq.popleft()
             assert se == re, f"{pair}: a send of {se} elements met a receive of {re}"
-            done[sr, sh] = done[rr, rh] = max(st, rt) + msg(*pair)
+            done.update(((sr, sh), (rr, rh)))
+            order.append(("match", (sr, sh), (rr, rh), pair))
             elements[pair] += se
 
     moved = True
@@ -51,24 +57,45 @@ def replay(tr, msg=lambda s, d: 1.0, red=lambda e: 0):
                     _, h, peer, e = op
                     assert (r, h) not in posted and 0 <= peer < n and peer != r and e >= 0
                     posted.add((r, h))
+                    order.append(("post", r, h))
                     pair = (r, peer) if op[0] == "send" else (peer, r)
-                    queues[op[0]][pair].append((r, h, e, t[r]))
+                    queues[op[0]][pair].append((r, h, e))
                     match(pair)
                 elif op[0] == "wait":
                     if not all((r, h) in done for h in op[1]):
                         break
                     assert all((r, h) in posted and (r, h) not in waited for h in op[1])
                     waited.update((r, h) for h in op[1])
-                    t[r] = max([t[r], *(done[r, h] for h in op[1])])
+                    order.append(("wait", r, op[1]))
                 else:
                     assert op[0] == "reduce" and op[1] >= 0
-                    t[r] += red(op[1])
+                    order.append(("reduce", r, op[1]))
                 pc[r] += 1
                 moved = True
     stuck = [r for r in range(n) if pc[r] < len(tr[r])]
     assert not stuck, f"deadlock: ranks {stuck} wait forever"
     assert waited == posted, "a request is never waited for"
-    return max(t, default=0), dict(elements)
+    return order, dict(elements)
+
+
+def finish(order, n, msg=lambda s, d: 1.0, red=lambda e: 0):
+    """The latest rank's finishing time of a `schedule` order: a message starts when both
+    ends have posted it and completes at both ends msg(src, dst) later; a wait ends when its
+    requests have; a reduce of e elements costs red(e)."""
+    t = [0] * n
+    at, done = {}, {}
+    for ev in order:
+        if ev[0] == "post":
+            at[ev[1], ev[2]] = t[ev[1]]
+        elif ev[0] == "match":
+            _, a, b, pair = ev
+            done[a] = done[b] = max(at[a], at[b]) + msg(*pair)
+        elif ev[0] == "wait":
+            r = ev[1]
+            t[r] = max([t[r], *(done[r, h] for h in ev[2])])
+        else:
+            t[ev[1]] += red(ev[2])
+    return max(t, default=0)
 
 
 def contiguous(n, size):
@@ -95,7 +122,7 @@ def check(kind, alg, n, count, itemsize, nodes=None):
     alphas, (d) reduce work: coarse against the replayed trace."""
     what = f"{kind} {alg} n={n} count={count} itemsize={itemsize} nodes={nodes}"
     tr = steps.trace(kind, alg, n, count, itemsize, nodes)
-    _, elements = replay(tr)
+    order, elements = schedule(tr)
     alphas = [uniform] + [two_level(contiguous(n, k)) for k in (2, 4)]
     if nodes is not None:
         alphas.append(two_level(nodes))
@@ -107,9 +134,9 @@ def check(kind, alg, n, count, itemsize, nodes=None):
             for s, d, b in ph.flows:
                 flows[s, d] += b
         assert flows == {k: e * itemsize for k, e in elements.items()}, what
-        latency, _ = replay(tr, alpha)
+        latency = finish(order, n, alpha)
         assert sum(ph.latency for ph in phases) == pytest.approx(latency, abs=1e-9), what
-    work, _ = replay(tr, lambda s, d: 0, lambda e: e * itemsize)
+    work = finish(order, n, lambda s, d: 0, lambda e: e * itemsize)
     assert sum(ph.reduce_bytes for ph in phases) == work, f"{what} reduce"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import re
 
 import golden
 import pytest
@@ -23,14 +24,28 @@ import pytest
 FILES = sorted(glob.glob(os.path.join(golden.GOLDEN_DIR, "*.json.gz")))
 NAMES = [os.path.basename(f).removesuffix(".json.gz") for f in FILES]
 # `slow` (out of the inner loop, still in the full suite), the cases that take seconds to
-# plan and compare: a golden over 256 KiB (GPT-3's 96 GPipe stages on 768 ranks: 1 MB, 6 s,
-# as much as all the others together) and the sweeps' GPT-3 175B points (configs/gpt3-*.yaml:
-# 1 to 5 s each under load, half of what remains). The README's 175B layouts stay in.
-BIG = 256 * 1024
+# plan and compare: a golden over 128 KiB (GPT-3's 96 GPipe stages on 768 ranks: 1 MB, 5 s,
+# as much as all the others together; GPT-2 XL's 16,384 tokens over cp 8: 160,000 ops, 2.6 s
+# of planning, while the README's gpt3-tiny cp 2 and cp 4 cases keep a cp plan in the loop)
+# and the sweeps' GPT-3 175B points (configs/gpt3-*.yaml: 1 to 5 s each under load, half of
+# what remains), and a sweep's points on more than 32 ranks: the same options planned again
+# at a larger world (each sweep keeps its points up to 32 ranks in the loop:
+# test_cases_come_from_the_readme_and_every_sweep). The README's 175B layouts stay in.
+BIG = 128 * 1024
+SWEEP_WORLD = 32
+
+
+def world_of(name: str) -> int:
+    return int(re.search(r"-n(\d+)-", name).group(1))
 
 
 def slow_golden(path: str, name: str) -> bool:
-    return os.path.getsize(path) > BIG or (name.startswith("gpt3-") and "model_gpt3_175b" in name)
+    sweep_big = not name.startswith("readme-") and world_of(name) > SWEEP_WORLD
+    return (
+        os.path.getsize(path) > BIG
+        or (name.startswith("gpt3-") and "model_gpt3_175b" in name)
+        or sweep_big
+    )
 
 
 PARAMS = [
@@ -67,6 +82,14 @@ def test_cases_come_from_the_readme_and_every_sweep():
         os.path.basename(p) for p in glob.glob(os.path.join(golden.ROOT, "configs", "*.yaml"))
     }
     assert {c.proxy for c in cases} == set(golden.PROXIES)
+    # and every source but the GPT-3 175B sweeps keeps a golden out of `slow` (slow_golden)
+    fast = {
+        c.source
+        for c in cases
+        if os.path.isfile(golden.path_of(c.name))
+        and not slow_golden(golden.path_of(c.name), c.name)
+    }
+    assert {c.source for c in cases if "model_gpt3_175b" not in c.name} <= fast
     # a sweep's machine file is named relative to the checkout, so goldens move with it
     assert all(not os.path.isabs(w) for c in cases for w in c.argv)
 
