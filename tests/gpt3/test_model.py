@@ -17,12 +17,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from one_process import train
 
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.gpt3.proxy import make_job, parser
-from proxies.transformer.data import Synthetic, batch
 from proxies.transformer.layout import Layout, shard
-from proxies.transformer.model import StageShard, full_model
+from proxies.transformer.model import StageShard
 from proxies.transformer.plan import Piece, Pieces
 from proxies.transformer.setup import PRESETS, GPT3Config, MoESpec, Setup, padded_vocab
 
@@ -97,23 +97,7 @@ def reference(L: int, m: int, iters: int = 2, lr: float = 1e-3, stop_at_optimize
     """The unsharded GPT-2 model (one process) on the same samples: m micro-batches per
     iteration."""
     cfg = PRESETS["gpt3-tiny"].with_layers(L).to_gpt2()
-    model = full_model(cfg, 1, T, seed=0)
-    model.loss_scale = 1.0 / m
-    source = Synthetic(0, cfg.vocab_size, T)
-    losses = []
-    for it in range(iters):
-        total = 0.0
-        for mb in range(m):
-            x, y = batch(source, it * m + mb, 1)
-            model.batch = lambda _, x=x, y=y: (x, y)
-            total += model.forward(mb)
-        for mb in range(m):
-            model.backward(mb)
-        losses.append(total / m)
-        if stop_at_optimizer:
-            return losses, model
-        model.step(lr)
-    return losses, model
+    return train(cfg, T, m, iters, lr, stop_at_optimizer)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 from launch import ROOT, mpiexec, run
+from one_process import train
 
 from proxies.transformer import cp as cpsplit
 from proxies.transformer.config import PRESETS as GPT2_PRESETS
-from proxies.transformer.data import Synthetic, batch
-from proxies.transformer.model import full_model
 from proxies.transformer.setup import PRESETS as GPT3_PRESETS
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI
@@ -90,22 +89,7 @@ def test_grad_reduces_equal_one_process(tmp_path):
 def one_process(cfg, L: int, m: int, iters: int = 2, lr: float = 1e-3) -> list[float]:
     """The unsharded model with L layers in one process on the proxies' samples (m per
     iteration, B = 1): the cp 1 losses."""
-    cfg = cfg.with_layers(L)
-    model = full_model(cfg, 1, T, seed=0)
-    model.loss_scale = 1.0 / m
-    source = Synthetic(0, cfg.vocab_size, T)
-    losses = []
-    for it in range(iters):
-        total = 0.0
-        for mb in range(m):
-            x, y = batch(source, it * m + mb, 1)
-            model.batch = lambda _, x=x, y=y: (x, y)
-            total += model.forward(mb)
-        for mb in range(m):
-            model.backward(mb)
-        losses.append(total / m)
-        model.step(lr)
-    return losses
+    return train(cfg.with_layers(L), T, m, iters, lr)[0]
 
 
 def reference(L: int, m: int) -> tuple[list[float], None]:
