@@ -23,7 +23,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from proxies.core.fsdp import FSDP, REPLICA_GROUP, SHARD_GROUP, ShardUnit, Step, hsdp_groups
+from proxies.core.fsdp import (
+    FSDP,
+    REPLICA_GROUP,
+    SHARD_GROUP,
+    SLOTS,
+    ShardUnit,
+    Step,
+    hsdp_groups,
+)
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
 from proxies.core.plan import Collective, Compute, Op, Plan
@@ -31,6 +39,7 @@ from proxies.core.schedules import SCHEDULES
 from proxies.transformer.layout import Layout
 from proxies.transformer.setup import Chunk, Setup
 
+FSDP_INFLIGHT = 2  # reduce-scatters in flight at once (and the runtime's slots for them)
 EXTRA_PIECES = frozenset(
     {"fwd_embed", "fwd_lnf", "fwd_head", "fwd_loss", "bwd_head_in", "bwd_head", "bwd_lnf"}
 )
@@ -107,7 +116,7 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
     g[SHARD_GROUP] = shard
     if len(replica) > 1:
         g[REPLICA_GROUP] = replica
-    fs = FSDP([u for u, _, _ in table], S.fsdp, len(replica))
+    fs = FSDP([u for u, _, _ in table], S.fsdp, len(replica), FSDP_INFLIGHT)
     steps: dict[tuple[str, int], list[Step]] = {}
     ops: list[Op] = []
     for op in pipeline_ops(actions, s, grid.group("pp", rank), S.v, S.act):
@@ -139,8 +148,11 @@ def fsdp_plans(S: Setup, grid: ProcessGrid, schedule: str, pieces):
 
 class ShardedParams:
     """The runtime's FSDP state of one rank (real compute): each unit's parameter shard
-    (rank r of its shard group holds block r of the padded unit) and AdamW moments, two
-    gather slots, and per unit the reduce-scatter buffer its reduced block is read from.
+    (rank r of its shard group holds block r of the padded unit), its reduced gradient
+    shard and AdamW moments; two gather slots and two reduce-scatter slots (the plan waits
+    a slot's collective before it reuses the slot). A reduce-scatter slot's reduced block is
+    saved into the unit's gradient shard when the slot is reused, when the shard is asked
+    for (HSDP's replica allreduce, the tied embedding's) or at the optimizer.
 
     The StageShard keeps its full flat parameter array as the place a unit is unsharded
     into (fsdp_unshard copies the gathered slot there; fsdp_reshard fills it with NaN, so a
@@ -150,18 +162,19 @@ class ShardedParams:
         self.S, self.model, self.n, self.r = S, model, S.fsdp, shard_rank
         self.table = [(u, lo, hi) for u, lo, hi in shard_units(layout) if u.size > 0]
         dt = model.params.dtype
-        self.shards, self.rs, self.m, self.v = [], [], [], []
+        self.shards, self.grads, self.m, self.v = [], [], [], []
         for u, lo, hi in self.table:
-            full = np.zeros(u.padded(self.n), dtype=dt)
-            full[: hi - lo] = model.params[lo:hi]
             k = u.shard(self.n)
-            self.shards.append(full[self.r * k : (self.r + 1) * k].copy())
-            self.rs.append(np.zeros(u.padded(self.n), dtype=dt))
-            self.m.append(np.zeros(k, dtype=dt))
-            self.v.append(np.zeros(k, dtype=dt))
+            block = model.params[lo:hi][self.r * k : (self.r + 1) * k]
+            self.shards.append(np.zeros(k, dtype=dt))
+            self.shards[-1][: block.size] = block  # the padding stays zero
+            for arrays in (self.grads, self.m, self.v):
+                arrays.append(np.zeros(k, dtype=dt))
         big = max((u.padded(self.n) for u, _, _ in self.table), default=0)
-        self.slots = [np.zeros(big, dtype=dt) for _ in range(2)]
+        self.slots = [np.zeros(big, dtype=dt) for _ in range(SLOTS)]
+        self.rs_slots = [np.zeros(big, dtype=dt) for _ in range(FSDP_INFLIGHT)]
         self.slot_of: dict[int, np.ndarray] = {}  # unit -> the slot its gather went into
+        self.rs_held: dict[int, int] = {}  # reduce-scatter slot -> unit not yet saved
         self.t = 0
         model.params[...] = np.nan  # nothing is readable before its gather
 
@@ -181,12 +194,29 @@ class ShardedParams:
             self.slot_of[i] = slot
             return slot
         if name == "fsdp_rshard":
-            return self._block(self.rs[i], i)
+            self._save(i)
+            return self.grads[i]
         if name.startswith("fsdp_rs"):
-            buf = self.rs[i]
+            s = int(name[7:])
+            held = self.rs_held.pop(s, None)
+            if held is not None:  # its reduce-scatter was waited before this one started
+                self._save_from(s, held)
+            buf = self.rs_slots[s][:P]
             buf[: hi - lo] = self.model.grads[lo:hi]
+            buf[hi - lo :] = 0
+            self.rs_held[s] = i
             return buf
         raise KeyError(name)
+
+    def _save_from(self, s: int, i: int) -> None:
+        self.grads[i][...] = self._block(self.rs_slots[s], i)
+
+    def _save(self, i: int) -> None:
+        """Unit i's reduced block into its gradient shard, if a slot still holds it."""
+        for s, held in list(self.rs_held.items()):
+            if held == i:
+                self._save_from(s, i)
+                del self.rs_held[s]
 
     def compute(self, name: str, i: int) -> None:
         _, lo, hi = self.table[i]
@@ -203,14 +233,15 @@ class ShardedParams:
         self.t += 1
         adamw = self.model.k.adamw_update
         for i in range(len(self.table)):
-            g = self._block(self.rs[i], i)
+            self._save(i)
+            g = self.grads[i]
             adamw(self.shards[i], g, self.m[i], self.v[i], self.t, lr, weight_decay=weight_decay)
         self.model.zero_grad()
 
     @property
     def nbytes(self) -> int:
         """What this state allocates (shards, moments, slots, reduce-scatter buffers)."""
-        arrays = self.shards + self.m + self.v + self.slots + self.rs
+        arrays = self.shards + self.grads + self.m + self.v + self.slots + self.rs_slots
         return sum(a.nbytes for a in arrays)
 
 
