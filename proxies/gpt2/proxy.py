@@ -263,6 +263,7 @@ def make_job(args, world: int) -> runner.Job:
         return Runtime(S, plan(rank), c["pp"], 0, 0, c["dp"], source, mode)
 
     own = {"grad_sync": args.grad_sync, "bucket_mb": S.bucket_mb, "zero": S.zero}
+    own["fsdp_shard_size"] = S.fsdp or None  # FSDP's shard group (dp, or HSDP's N); None: off
     config = describe.config(S, grid, args, own, data="none" if parity else "synthetic")
     messages = f"gradients per layer {cfg.layer_params:,} floats · gradient sync {sync_text(S)}"
     return runner.Job(

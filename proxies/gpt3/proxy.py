@@ -429,6 +429,7 @@ def own_config(S: Setup) -> dict:
         "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
+        "fsdp_shard_size": S.fsdp or None,  # FSDP's shard group (dp, or HSDP's N); None: off
     }
 
 
