@@ -221,7 +221,10 @@ class ShardedParams:
     def compute(self, name: str, i: int) -> None:
         _, lo, hi = self.table[i]
         if name.startswith("fsdp_unshard:"):
-            self.model.params[lo:hi] = self.slot_of.pop(i)[: hi - lo]
+            slot = self.slot_of.pop(i, None)
+            # None: --compute replay times the compute ops alone, with no gather before;
+            # zeros then stand in (the same kernels and shapes, finite values)
+            self.model.params[lo:hi] = 0 if slot is None else slot[: hi - lo]
         elif name.startswith("fsdp_reshard:"):
             self.model.params[lo:hi] = np.nan
         else:

@@ -158,3 +158,15 @@ def test_virtual_stages_refused():
     argv = ["4", "2", "--model", "gpt3-tiny", "--fsdp", "--virtual-stages", "2"]
     with pytest.raises(UsageError, match="--virtual-stages 2"):
         gpt3.make_job(gpt3.parser().parse_args(argv), 4)
+
+
+def test_replay_calibration_unshards_without_a_gather():
+    """--compute replay times the compute ops alone: an unshard with no gather before it
+    leaves zeros (finite), not the NaN of a freed unit."""
+    _, rts = run(2)
+    fs = rts[0].fsdp
+    u, lo, hi = fs.table[0]
+    fs.compute(f"fsdp_unshard:{u.key}", 0)
+    assert not rts[0].model.params[lo:hi].any()
+    fs.compute(f"fsdp_reshard:{u.key}", 0)
+    assert np.isnan(rts[0].model.params[lo:hi]).all()
