@@ -170,3 +170,16 @@ def test_replay_calibration_unshards_without_a_gather():
     assert not rts[0].model.params[lo:hi].any()
     fs.compute(f"fsdp_reshard:{u.key}", 0)
     assert np.isnan(rts[0].model.params[lo:hi]).all()
+
+
+def test_175b_at_1024_ranks_dry_run_is_valid(capsys):
+    """tp 8 x 16 stages x dp 8: planned, validated (matching, no deadlock) in one process;
+    each stage sends 2 x 16 all-gathers and one reduce-scatter of every unit."""
+    argv = ["96", "16", "--tp", "8", "--micro-batches", "16", "--fsdp"]
+    assert gpt3.main([*argv, "--dry-run", "--world-size", "1024"]) == 0
+    assert "plan valid" in capsys.readouterr().out
+    job = gpt3.make_job(gpt3.parser().parse_args(argv), 1024)
+    rank = next(r for r in range(1024) if job.grid.coords(r)["pp"] == 5)
+    got = traffic(job.plan(rank))  # a middle stage: 6 layers, no embedding or head
+    layer = fsdp.shard_units(Layout(job.setup, 5))[0][0].padded(8)
+    assert got["fsdp_allgather"] == 2 * 16 * 6 * layer and got["fsdp_reduce_scatter"] == 6 * layer
