@@ -130,6 +130,9 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
     moe = S.moe
     dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
     bufs = S.N * C + tp * 3 * S.N + dispatch + (lay.sp_size if S.sp else 0)
+    if S.fsdp:
+        return {**fsdp_parts(S, lay), "activations": acts, "workspace": F32 * work,
+                "blas": memory.blas_workspace(), "buffers": F32 * bufs}  # fmt: skip
     return {
         "parameters": F32 * n,
         "gradients": F32 * n,
@@ -138,6 +141,27 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
         "workspace": F32 * work,
         "blas": memory.blas_workspace(),
         "buffers": F32 * bufs,
+    }
+
+
+def fsdp_parts(S: Setup, lay: Layout) -> dict[str, int]:
+    """FSDP (transformer/fsdp.py ShardedParams), bytes: parameters are this rank's shards
+    (1/n of the padded units) and the two gather slots of the largest unit; gradients the
+    unsharded accumulators (kept over the micro-batches: reduce-scattered only in the last
+    one's backward), the reduced shards and the two reduce-scatter slots; AdamW's moments
+    of the shards. "unshard_target": the StageShard's whole flat parameter array, which the
+    units are unsharded into (a real FSDP holds only the gathered units there)."""
+    from proxies.transformer.fsdp import FSDP_INFLIGHT, SLOTS, shard_units
+
+    units = [u for u, _, _ in shard_units(lay) if u.size]
+    shards = sum(u.shard(S.fsdp) for u in units)
+    big = max((u.padded(S.fsdp) for u in units), default=0)
+    n = lay.dense_size
+    return {
+        "parameters": F32 * (shards + SLOTS * big),
+        "gradients": F32 * (n + shards + FSDP_INFLIGHT * big),
+        "optimizer": 2 * F32 * shards,
+        "unshard_target": F32 * n,
     }
 
 
