@@ -116,7 +116,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     if args.cp > 1:
         raise err(f"--cp {args.cp}: BERT's attention kernels have no context parallelism")
     L = args.layers or (cpp.LAYERS if preset else cfg.n_layer)
-    pp = args.stages if options.given(args.stages) or not preset else cpp.STAGES
+    pp = int(args.stages if options.given(args.stages) or not preset else cpp.STAGES)
     tp, B = args.tp, args.micro_batch or (cpp.B if preset else 8)
     T = args.seq_len or (cpp.T if preset else min(128, cfg.max_seq_len))
     m = args.micro_batches or cpp.MICRO_BATCHES
