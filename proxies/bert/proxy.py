@@ -11,7 +11,7 @@ overlapping the last micro-batch's backward, the tied word-embedding allreduce b
 first and last stage, AdamW. BERT's own parts (transformer/encoder.py): attention without
 the causal mask, the token-type embedding and embedding LayerNorm, the masked-LM head
 (dense + GELU + LayerNorm, the decoder tied to the word embeddings, an output bias) and the
-loss on the 15% masked positions. Layers are pre-LN (encoder.py says why).
+loss on the 15% masked positions. Layers are post-LN as BERT's (--norm pre: GPT's pre-LN).
 
 --model dnn-cpp-proxies is the C++ BERT-large proxy's iteration instead (cpp.py): its
 activation size, one blocking allreduce per gradient tensor, no compute.
@@ -20,6 +20,7 @@ activation size, one blocking allreduce per gradient tensor, no compute.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from proxies.bert import SPEC, cpp
@@ -29,7 +30,13 @@ from proxies.core.plan import Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt3.proxy import dry_run_hooks
 from proxies.transformer import describe, options
-from proxies.transformer.encoder import BERT_ORDER, PRESETS, BertRuntime, masked_per_sample
+from proxies.transformer.encoder import (
+    BERT_ORDER,
+    NORMS,
+    PRESETS,
+    BertRuntime,
+    masked_per_sample,
+)
 from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.setup import Setup, padded_vocab
@@ -58,6 +65,13 @@ def parser() -> argparse.ArgumentParser:
         "micro-batches of 8 x 128 tokens, one allreduce per gradient tensor, no compute)",
     )
     p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument(
+        "--norm",
+        choices=NORMS,
+        default="post",
+        help="post: BERT's LayerNorm after each residual add; pre: before attention and MLP "
+        "with a final LayerNorm (GPT's)",
+    )
     options.add_micro_batch(p, "samples per micro-batch (default 8)")
     options.add_micro_batches(p, "micro-batches per iteration per replica (default 8)")
     p.add_argument(
@@ -110,7 +124,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     """Check the options against each other and the world size; UsageError names the rule."""
     err = cli.UsageError
     preset = args.model == cpp.PRESET
-    cfg = PRESETS[cpp.WIDTHS if preset else args.model]
+    cfg = dataclasses.replace(PRESETS[cpp.WIDTHS if preset else args.model], norm=args.norm)
     if args.compute is None:
         args.compute = "none" if preset else "real" if args.model == "bert-tiny" else "model"
     if args.cp > 1:
@@ -184,7 +198,7 @@ def make_job(args, world: int) -> runner.Job:
         c = grid.coords(rank)
         return BertRuntime(S, plan(rank), c["pp"], c["tp"], 0, c["dp"], source, mode)
 
-    own = {"tp": S.tp, "vocab_padded": S.vocab, "dp_bucket": S.bucket, "norm": "pre"}
+    own = {"tp": S.tp, "vocab_padded": S.vocab, "dp_bucket": S.bucket, "norm": S.cfg.norm}
     own["masked_per_sample"] = masked_per_sample(S.T)
     config = describe.config(S, grid, args, own, data="none" if preset else "synthetic")
     if preset:

@@ -4,10 +4,10 @@ GELU + LayerNorm, then the decoder tied to the word embeddings plus an output bi
 loss on the masked positions only. The layers are StageShard's (model.py) with causal=False:
 every query attends to every key.
 
-The layers are pre-LN, as the GPT family's StageShard (LayerNorm before attention and MLP,
-a final ln_f before the head); real BERT is post-LN (LayerNorm after each residual add, no
-final LayerNorm). Same tensors per layer (12C^2 + 13C), same messages and FLOPs; only the
-numbers the real compute produces differ from a post-LN BERT's.
+The layers are post-LN by default, as BERT's (LayerNorm after each residual add, no final
+LayerNorm: postnorm.py), or pre-LN (cfg.norm "pre": StageShard's own layers, LayerNorm
+before attention and MLP and a final ln_f before the head). Same tensors per layer
+(12C^2 + 13C), same messages and FLOPs; pre-LN holds 2C more (ln_f).
 
 Tensor parallelism as the GPT family's: the word embedding and the decoder (and its output
 bias) are split over the vocabulary; the MLM transform (dense, GELU, LayerNorm) is small
@@ -32,10 +32,12 @@ import numpy as np
 
 from proxies.transformer.config import normal
 from proxies.transformer.model import StageShard
+from proxies.transformer.postnorm import PostNormPieces
 from proxies.transformer.runtime import Runtime
 from proxies.transformer.setup import GPT3Config, Setup
 from proxies.transformer.state import ChunkActs
 
+NORMS = ("post", "pre")
 MASK_ID = 103  # [MASK] in bert-base-uncased's WordPiece vocabulary
 MASK_RATE = 0.15
 TYPE_VOCAB = 2  # token types (segments A and B)
@@ -50,6 +52,12 @@ class BertConfig(GPT3Config):
     vocab_size: int = 30522
     max_seq_len: int = 512
     causal: bool = False
+    norm: str = "post"  # "post": BERT's LayerNorm after each residual add; "pre": GPT's
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
 
     def extra_sections(
         self, vocab_local: int, embed: bool, head: bool
@@ -63,7 +71,10 @@ class BertConfig(GPT3Config):
             ("mlm.ln.bias", (C,)),
             ("mlm.bias", (vocab_local,)),  # the decoder's output bias, split as wte
         ]
-        return {"emb": emb if embed else [], "mlm": mlm if head else []}
+        out = {"emb": emb if embed else [], "mlm": mlm if head else []}
+        if self.norm == "post":
+            out["ln_f"] = []  # post-LN has no final LayerNorm
+        return out
 
     @property
     def embedding_params(self) -> int:
@@ -88,7 +99,8 @@ class BertConfig(GPT3Config):
         No pooler and no next-sentence head."""
         C = self.n_embd
         head = C * C + 3 * C + self.vocab_size
-        return self.embedding_params + self.n_layer * self.layer_params + 2 * C + head
+        lnf = 2 * C if self.norm == "pre" else 0
+        return self.embedding_params + self.n_layer * self.layer_params + lnf + head
 
 
 PRESETS: dict[str, BertConfig] = {
@@ -129,7 +141,7 @@ def token_types(T: int) -> np.ndarray:
     return (np.arange(T) >= T // 2).astype(np.intp)
 
 
-class BertShard(StageShard):
+class BertShard(PostNormPieces, StageShard):
     """StageShard with BERT's embeddings and masked-LM head (see the module docstring)."""
 
     def __init__(self, S: Setup, *args, **kwargs) -> None:
@@ -204,12 +216,15 @@ class BertShard(StageShard):
     # the masked-LM head
 
     def _fwd_lnf(self, st: ChunkActs, ch, mb: int) -> None:
-        """ln_f, then the transform: st.lnf = LayerNorm(GELU(dense(ln_f(x))))."""
+        """ln_f (pre-LN only), then the transform: st.lnf = LayerNorm(GELU(dense(x)))."""
         w, k = self.w, self.k
         x = self._finish_mlp(st, ch.layers[-1])
-        k.layernorm_forward(
-            st.mlm_in, st.lnf_mean, st.lnf_rstd, x, w["ln_f.weight"], w["ln_f.bias"]
-        )
+        if self.post:
+            st.mlm_in[...] = x
+        else:
+            k.layernorm_forward(
+                st.mlm_in, st.lnf_mean, st.lnf_rstd, x, w["ln_f.weight"], w["ln_f.bias"]
+            )
         k.matmul_forward(st.mlm_pre, st.mlm_in, w["mlm.dense.weight"], w["mlm.dense.bias"])
         k.gelu_forward(st.mlm_act, st.mlm_pre)
         k.layernorm_forward(
@@ -277,7 +292,7 @@ class BertShard(StageShard):
     def _dres_top(self, st: ChunkActs, ch, mb: int) -> np.ndarray:
         """On the head chunk: the transform's backward (replicated: from the allreduced
         decoder input gradient, in tp_buf), leaving dL/d ln_f's output in tp_buf for
-        GPT's ln_f backward."""
+        GPT's ln_f backward (post-LN: dL/d the top layer's output, dres itself)."""
         if ch.head:
             w, g, k = self.w, self.g, self.k
             shape = st.mlm_act.shape
@@ -294,6 +309,9 @@ class BertShard(StageShard):
                 self._full(), g[wn], g["mlm.dense.bias"], dpre, st.mlm_in, w[wn], True,
                 self._fresh(wn),
             )  # fmt: skip
+            if self.post:
+                st.dres[...] = self._full()
+                return st.dres
         return super()._dres_top(st, ch, mb)
 
 
@@ -307,8 +325,3 @@ class BertRuntime(Runtime):
         g = (self.iteration * S.dp + self.dp_rank) * S.m * S.B + mb * S.B
         tokens, _ = super()._batch(mb)
         return mask_tokens(tokens, S.seed, g, S.cfg.vocab_size)
-
-
-def head_flops(cfg: BertConfig, B: int, T: int) -> float:
-    """Forward FLOPs of the MLM transform (dense C x C) a head rank adds to the decoder's."""
-    return 2.0 * B * T * cfg.n_embd * cfg.n_embd

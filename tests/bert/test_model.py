@@ -4,6 +4,7 @@ differences, and tensor parallelism (emulated in one process) against one rank."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -28,27 +29,35 @@ SMALL = BertConfig("t", 2, 16, 2, vocab_size=40, max_seq_len=12)
 B, T = 2, 10
 
 
+@pytest.fixture(params=["post", "pre"])
+def cfg(request) -> BertConfig:
+    return dataclasses.replace(SMALL, norm=request.param)
+
+
 def test_parameter_counts_match_the_published_ones():
     # HF BertModel (embeddings, layers, pooler): bert-base-uncased and bert-large-uncased
     assert PRESETS["bert-base"].bert_model_params == 109_482_240
     assert PRESETS["bert-large"].bert_model_params == 335_141_888
     base = PRESETS["bert-base"]
     C, V = 768, 30522
-    # the proxy: no pooler; a final LayerNorm (pre-LN) and the MLM head (tied decoder)
-    want = 109_482_240 - (C * C + C) + 2 * C + (C * C + C) + 2 * C + V
-    assert base.num_params == want
+    # the proxy: no pooler; the MLM head (tied decoder); pre-LN's final LayerNorm
+    want = 109_482_240 - (C * C + C) + (C * C + C) + 2 * C + V
+    assert base.norm == "post" and base.num_params == want == 109_515_834 - 2 * C
+    assert dataclasses.replace(base, norm="pre").num_params == want + 2 * C
     assert PRESETS["bert-large"].layer_params == 12_596_224  # the C++ proxy's per layer
 
 
-def test_a_stage_holds_exactly_the_model():
-    cfg = PRESETS["bert-tiny"]
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_a_stage_holds_exactly_the_model(norm):
+    cfg = dataclasses.replace(PRESETS["bert-tiny"], norm=norm)
     S = setup(cfg, 1, 8, tp=1, vocab=30592)
     lay = Layout(S, 0)
     pad = 30592 - cfg.vocab_size  # padded rows of wte and of the output bias
     assert lay.dense_size == cfg.num_params + pad * (cfg.n_embd + 1)
     names = [n for n, _, _ in lay.dense]
-    assert names[:8] == ["wte", "wpe", "tte", "ln_e.weight", "ln_e.bias", "ln_f.weight",
-                         "ln_f.bias", "mlm.dense.weight"]  # fmt: skip
+    lnf = ["ln_f.weight", "ln_f.bias"] if norm == "pre" else []
+    assert names[: 6 + len(lnf)] == ["wte", "wpe", "tte", "ln_e.weight", "ln_e.bias", *lnf,
+                                     "mlm.dense.weight"]  # fmt: skip
 
 
 def test_masking_is_bert_s():
@@ -72,8 +81,8 @@ def setup(cfg: BertConfig, B: int, T: int, tp: int = 1, vocab: int | None = None
     )  # fmt: skip
 
 
-def small_model() -> tuple[BertShard, np.ndarray, np.ndarray]:
-    m = BertShard(setup(SMALL, B, T), 0, seed=1, dtype=np.float64)
+def small_model(cfg: BertConfig) -> tuple[BertShard, np.ndarray, np.ndarray]:
+    m = BertShard(setup(cfg, B, T), 0, seed=1, dtype=np.float64)
     rng = np.random.default_rng(5)
     for name in ("ln_e.bias", "mlm.bias", "mlm.ln.bias", "mlm.dense.bias"):  # not all zero
         m.w[name][...] = rng.standard_normal(m.w[name].shape) * 0.1
@@ -93,24 +102,31 @@ def gelu(x):
 
 
 def plain_bert_loss(w: dict, x: np.ndarray, y: np.ndarray, cfg: BertConfig) -> float:
-    """Pre-LN BERT written out: embeddings + LayerNorm, layers with full attention, ln_f,
-    the MLM transform, the tied decoder plus bias, cross-entropy on the masked tokens."""
+    """BERT written out: embeddings + LayerNorm, layers with full attention (post-LN, or
+    pre-LN and ln_f), the MLM transform, the tied decoder plus bias, cross-entropy on the
+    masked tokens."""
     C, NH, (Bx, Tx) = cfg.n_embd, cfg.n_head, x.shape
+    post = cfg.norm == "post"
     h = w["wte"][x] + w["wpe"][:Tx] + w["tte"][token_types(Tx)]
     h = ln(h, w["ln_e.weight"], w["ln_e.bias"])
     for l in range(cfg.n_layer):
         p = lambda n, l=l: w[f"h.{l}.{n}"]  # noqa: E731
-        a = ln(h, p("ln_1.weight"), p("ln_1.bias"))
+        a = h if post else ln(h, p("ln_1.weight"), p("ln_1.bias"))
         q, k, v = np.split(a @ p("attn.c_attn.weight").T + p("attn.c_attn.bias"), 3, axis=-1)
         heads = lambda t: t.reshape(Bx, Tx, NH, C // NH).transpose(0, 2, 1, 3)  # noqa: E731
         s = heads(q) @ heads(k).swapaxes(-1, -2) / math.sqrt(C // NH)  # no mask
         s = np.exp(s - s.max(-1, keepdims=True))
         o = ((s / s.sum(-1, keepdims=True)) @ heads(v)).transpose(0, 2, 1, 3).reshape(Bx, Tx, C)
         h = h + o @ p("attn.c_proj.weight").T + p("attn.c_proj.bias")
-        a = ln(h, p("ln_2.weight"), p("ln_2.bias"))
+        if post:
+            h = ln(h, p("ln_1.weight"), p("ln_1.bias"))
+        a = h if post else ln(h, p("ln_2.weight"), p("ln_2.bias"))
         a = gelu(a @ p("mlp.c_fc.weight").T + p("mlp.c_fc.bias"))
         h = h + a @ p("mlp.c_proj.weight").T + p("mlp.c_proj.bias")
-    h = ln(h, w["ln_f.weight"], w["ln_f.bias"])
+        if post:
+            h = ln(h, p("ln_2.weight"), p("ln_2.bias"))
+    if not post:
+        h = ln(h, w["ln_f.weight"], w["ln_f.bias"])
     h = ln(gelu(h @ w["mlm.dense.weight"].T + w["mlm.dense.bias"]), w["mlm.ln.weight"],
            w["mlm.ln.bias"])  # fmt: skip
     z = h @ w["wte"].T + w["mlm.bias"]
@@ -121,13 +137,14 @@ def plain_bert_loss(w: dict, x: np.ndarray, y: np.ndarray, cfg: BertConfig) -> f
     )
 
 
-def test_forward_is_a_plain_bert():
-    m, x, y = small_model()
-    assert m.forward(0) == pytest.approx(plain_bert_loss(m.w, x, y, SMALL), rel=1e-12)
+def test_forward_is_a_plain_bert(cfg):
+    m, x, y = small_model(cfg)
+    assert m.forward(0) == pytest.approx(plain_bert_loss(m.w, x, y, cfg), rel=1e-12)
+    assert ("ln_f.weight" in m.w) == (cfg.norm == "pre")
 
 
-def test_backward_against_finite_differences():
-    m, _, _ = small_model()
+def test_backward_against_finite_differences(cfg):
+    m, _, _ = small_model(cfg)
     m.forward(0)
     m.backward(0)
     grads = {n: g.copy() for n, g in m.g.items()}
@@ -151,7 +168,7 @@ def test_backward_against_finite_differences():
 
 
 def test_loss_ignores_the_unmasked_targets_and_sees_every_position():
-    m, x, y = small_model()
+    m, x, y = small_model(SMALL)
     base = m.forward(0)
     m.free(0)
     x2 = x.copy()
@@ -203,12 +220,13 @@ def emulate(argv: list[str], world: int, iters: int = 2) -> list[float]:
 TINY = ["2", "1", "--model", "bert-tiny", "--seq-len", "16", "--micro-batch", "2", "--lr", "1e-3"]
 
 
+@pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize(
     "extra, world", [(["--tp", "2"], 2), (["--tp", "4"], 4), ([], 2)], ids=["tp2", "tp4", "dp2"]
 )
-def test_parallel_trains_like_one_rank(extra, world):
+def test_parallel_trains_like_one_rank(extra, world, norm):
     dp = world if not extra else 1
-    want = emulate([*TINY, "--micro-batches", str(2 * dp)], 1)
-    got = emulate([*TINY, "--micro-batches", "2", *extra], world)
+    want = emulate([*TINY, "--norm", norm, "--micro-batches", str(2 * dp)], 1)
+    got = emulate([*TINY, "--norm", norm, "--micro-batches", "2", *extra], world)
     assert got == pytest.approx(want, rel=1e-5)
     assert want[1] < want[0]  # it trains
