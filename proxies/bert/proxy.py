@@ -26,7 +26,7 @@ import sys
 from proxies.bert import SPEC, cpp
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
-from proxies.core.plan import Plan
+from proxies.core.plan import Compute, Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt3.proxy import dry_run_hooks
 from proxies.transformer import describe, options
@@ -182,7 +182,7 @@ def make_job(args, world: int) -> runner.Job:
 
     def plan(rank: int) -> Plan:
         if not preset:
-            return plans(rank)
+            return with_transform_flops(plans(rank), S)
         c = grid.coords(rank)
         groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
         ops = cpp.cpp_ops(S.cfg, S.split[c["pp"]], S.m, S.dp, c["pp"], groups["pp"])
@@ -237,6 +237,20 @@ def make_job(args, world: int) -> runner.Job:
         short=SPEC.short,
         **hooks,
     )
+
+
+def with_transform_flops(plan: Plan, S: Setup) -> Plan:
+    """GPT's head pieces plus the MLM transform's FLOPs (dense C x C, replicated on every
+    TP rank): 2 N C^2 forward, twice that backward; the decoder's are GPT's LM head's."""
+    f = 2.0 * S.N * S.cfg.n_embd**2
+    extra = {"fwd_head": f, "bwd_head": 2 * f}
+    ops = tuple(
+        dataclasses.replace(op, flops=op.flops + extra[op.name])
+        if isinstance(op, Compute) and op.name in extra
+        else op
+        for op in plan.ops
+    )
+    return dataclasses.replace(plan, ops=ops)
 
 
 def main(argv: list[str] | None = None) -> int:

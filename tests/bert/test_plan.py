@@ -10,7 +10,7 @@ import pytest
 from proxies.bert import cpp
 from proxies.bert.proxy import main, make_job, parser
 from proxies.core.cli import UsageError
-from proxies.core.plan import P2P, Collective, Span
+from proxies.core.plan import P2P, Collective, Compute, Span
 from proxies.transformer.encoder import PRESETS
 
 LARGE = PRESETS["bert-large"]
@@ -77,6 +77,13 @@ def test_gpt_style_plan_messages():
     assert len(tp) == 8 * (1 + 2 * 2 * 2) and {op.count for op in tp} == {8 * 128 * 64}
     names = [op.name for op in plan.ops if hasattr(op, "name")]
     assert "fwd_embed" in names and "fwd_head" not in names
+    # the last stage's head: the decoder's slice (2 N C V/tp, V padded to 30,720) plus the
+    # replicated MLM transform (2 N C^2); backward twice each
+    last = make_job(parser().parse_args(["4", "2", "--model", "bert-tiny", "--tp", "2"]), 8).plan(1)
+    N, Vp = 8 * 128, 30720
+    head = {op.name: op.flops for op in last.ops if isinstance(op, Compute) and op.mb == 0}
+    assert head["fwd_head"] == 2 * N * 64 * Vp / 2 + 2 * N * 64 * 64
+    assert head["bwd_head"] == 2 * head["fwd_head"]
 
 
 def test_dry_run_json(tmp_path, capsys):
