@@ -95,13 +95,20 @@ def stage_sizes(cfg: BertConfig, n_layers: int, first: bool, last: bool) -> list
 
 
 def cpp_ops(
-    cfg: BertConfig, layers: range, m: int, dp: int, stage: int, pp_ranks: Sequence[int]
+    cfg: BertConfig,
+    layers: range,
+    m: int,
+    dp: int,
+    stage: int,
+    pp_ranks: Sequence[int],
+    B: int = B,
+    T: int = T,
 ) -> list[Op]:
     """One iteration of one rank, as run_pipeline in bert_large.cpp (module docstring).
     Buffers "cpp_act" (sent) and "cpp_recv" per micro-batch; Span("grads", lo, hi) for the
     allreduces: consecutive ranges of the stage's gradients."""
     pp = len(pp_ranks)
-    act = activation(cfg.n_embd)
+    act = activation(cfg.n_embd, B, T)  # --micro-batch, --seq-len (default 8, 128)
     ops: list[Op] = []
     nxt, prev = (pp_ranks[stage + d] if 0 <= stage + d < pp else None for d in (1, -1))
     for direction, way, to, frm in (

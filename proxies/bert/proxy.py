@@ -185,7 +185,7 @@ def make_job(args, world: int) -> runner.Job:
             return with_transform_flops(plans(rank), S)
         c = grid.coords(rank)
         groups = {"pp": grid.group("pp", rank), "dp": grid.group("dp", rank)}
-        ops = cpp.cpp_ops(S.cfg, S.split[c["pp"]], S.m, S.dp, c["pp"], groups["pp"])
+        ops = cpp.cpp_ops(S.cfg, S.split[c["pp"]], S.m, S.dp, c["pp"], groups["pp"], S.B, S.T)
         return Plan(rank, tuple(ops), groups, c)
 
     def label(rank: int) -> str:
@@ -203,8 +203,8 @@ def make_job(args, world: int) -> runner.Job:
     config = describe.config(S, grid, args, own, data="none" if preset else "synthetic")
     if preset:
         messages = (
-            f"activations {cpp.activation(S.cfg.n_embd):,} floats (the C++ proxy's B T (C+1)) "
-            "· one blocking allreduce per gradient tensor after the pipeline"
+            "activations B T (C+1) floats as the C++ proxy's · one blocking allreduce per "
+            "gradient tensor after the pipeline"
         )
     else:
         messages = (
@@ -212,6 +212,10 @@ def make_job(args, world: int) -> runner.Job:
             f"{masked_per_sample(S.T)} of {S.T} tokens per sample"
         )
     header = describe.header(PROG, S, grid, args, source, messages=messages)
+    if preset:  # the C++ message, not GPT's B T C
+        act = cpp.activation(S.cfg.n_embd, S.B, S.T)
+        gpt = f"pipeline {S.act:,} floats ({4 * S.act:,} B)"
+        header[2] = header[2].replace(gpt, f"pipeline {act:,} floats ({4 * act:,} B)")
     hooks = dry_run_hooks(S)
     if preset:  # no pools of GPT-3's: the C++ iteration
         hooks = {"traffic_by": ("pp", "stages"), "ops_by_default": False}

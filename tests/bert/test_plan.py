@@ -109,3 +109,9 @@ def test_usage_errors(argv, words):
     with pytest.raises(UsageError) as e:  # exit status 2, one line (test_mpi.py runs it)
         main(["--dry-run", "--world-size", "4", *argv])
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cpp_preset_takes_micro_batch_and_seq_len():
+    plan = cpp_job(8, "--seq-len", "64", "--micro-batch", "2").plan(1)
+    sizes = {m.count for op in plan.ops if isinstance(op, P2P) for m in op.sends + op.recvs}
+    assert sizes == {2 * 64 * 1025}  # B T (C + 1)
