@@ -1,7 +1,7 @@
 """BERT's own parts of the one transformer: the encoder configuration, its embeddings (word,
 learned position, token type, embedding LayerNorm) and the masked-LM head (dense C x C +
 GELU + LayerNorm, then the decoder tied to the word embeddings plus an output bias), with the
-loss on the masked positions only. The layers are StageShard's (model.py) with causal=False:
+loss on the masked positions only. Attention is StageShard's (model.py) with causal=False:
 every query attends to every key.
 
 The layers are post-LN by default, as BERT's (LayerNorm after each residual add, no final
@@ -11,8 +11,8 @@ before attention and MLP and a final ln_f before the head). Same tensors per lay
 
 Tensor parallelism as the GPT family's: the word embedding and the decoder (and its output
 bias) are split over the vocabulary; the MLM transform (dense, GELU, LayerNorm) is small
-(C x C) and replicated: every TP rank computes it whole, from the allreduced ln_f output
-forward and from the allreduced input gradient of the decoder backward (the same
+(C x C) and replicated: every TP rank computes it whole, from the top layer's output
+(after ln_f, pre-LN) forward and from the allreduced input gradient of the decoder backward (the same
 collectives as GPT's head: no message is added). Sequence and context parallelism are not
 supported (the proxy refuses them).
 

@@ -13,6 +13,7 @@ from gradcheck import numgrad
 
 from proxies.bert.proxy import make_job, parser
 from proxies.core.plan import Collective, Compute, Wait
+from proxies.transformer import fast, head
 from proxies.transformer.encoder import (
     BERT_ORDER,
     MASK_ID,
@@ -230,3 +231,19 @@ def test_parallel_trains_like_one_rank(extra, world, norm):
     got = emulate([*TINY, "--norm", norm, "--micro-batches", "2", *extra], world)
     assert got == pytest.approx(want, rel=1e-5)
     assert want[1] < want[0]  # it trains
+
+
+def test_head_without_kept_logits_gives_the_same_gradients(monkeypatch, cfg):
+    """Over budget the head recomputes its logits (bias included) in row chunks."""
+    m, _, _ = small_model(cfg)
+    assert m.keeps_logits
+    loss = m.forward(0)
+    m.backward(0)
+    want = m.grads.copy()
+    monkeypatch.setattr(fast, "DLOGITS_BUDGET", 0)
+    monkeypatch.setattr(head, "CLASSIFIER_CHUNK", 3 * SMALL.vocab_size)  # 3-row chunks
+    m2, _, _ = small_model(cfg)
+    assert not m2.keeps_logits
+    assert m2.forward(0) == pytest.approx(loss, rel=1e-12)
+    m2.backward(0)
+    np.testing.assert_allclose(m2.grads, want, rtol=1e-10, atol=1e-14)
