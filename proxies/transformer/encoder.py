@@ -12,9 +12,9 @@ before attention and MLP and a final ln_f before the head). Same tensors per lay
 Tensor parallelism as the GPT family's: the word embedding and the decoder (and its output
 bias) are split over the vocabulary; the MLM transform (dense, GELU, LayerNorm) is small
 (C x C) and replicated: every TP rank computes it whole, from the top layer's output
-(after ln_f, pre-LN) forward and from the allreduced input gradient of the decoder backward (the same
-collectives as GPT's head: no message is added). Sequence and context parallelism are not
-supported (the proxy refuses them).
+(after ln_f, pre-LN) forward and from the allreduced input gradient of the decoder
+backward (the same collectives as GPT's head: no message is added). Sequence and context
+parallelism are not supported (the proxy refuses them).
 
 Masking (BERT's recipe, Devlin et al. 2019): per sample, round(0.15 T) positions (at least
 one) drawn from (seed, sample); of them 80% become [MASK] (id 103), 10% a random token, 10%
