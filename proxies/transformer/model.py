@@ -314,7 +314,7 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
                 ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[p + "ln_1.weight"], w[p + "ln_1.bias"]
             )
         self.k.matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
-        self.k.attention_forward(a.atty, a.att, a.qkv, self.NHl)
+        self.k.attention_forward(a.atty, a.att, a.qkv, self.NHl, causal=self.S.cfg.causal)
         out = self._partial_out()
         self.k.matmul_forward(out, a.atty, w[p + "attn.c_proj.weight"], None)
         if self.S.sp:

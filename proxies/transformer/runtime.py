@@ -89,6 +89,8 @@ class Runtime:
     """Buffers and compute of one rank: a StageShard for real/replay compute, a BufferPool
     for model/none. dp_rank: the rank's replica (its samples; ZeRO-1's block)."""
 
+    Shard: type | None = None  # the real compute's class: model.StageShard unless set (BERT)
+
     def __init__(
         self,
         S: Setup,
@@ -117,7 +119,9 @@ class Runtime:
             from proxies.transformer.model import StageShard
 
             cp_rank = plan.coords.get("cp", 0)
-            self.model = StageShard(S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank)
+            self.model = (self.Shard or StageShard)(
+                S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank
+            )
             # the DP (x CP) sum: the global mean's gradient
             self.model.loss_scale = 1.0 / (S.m * S.dp * S.cp)
             self.model.batch = self._batch
