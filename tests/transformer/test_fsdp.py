@@ -28,8 +28,8 @@ def run(world: int, *extra: str, layers: str = "2", m: int = 2):
 
 @pytest.mark.parametrize(
     "world,extra",
-    [(2, ()), (4, ()), (4, ("--tp", "2")), (4, ("--fsdp-shard-size", "2"))],
-    ids=["dp2", "dp4", "tp2xdp2", "hsdp2x2"],
+    [(2, ()), (3, ()), (4, ()), (4, ("--tp", "2")), (4, ("--fsdp-shard-size", "2"))],
+    ids=["dp2", "dp3-padded", "dp4", "tp2xdp2", "hsdp2x2"],
 )
 def test_fsdp_trains_as_one_process(world, extra):
     dp = world // (2 if "--tp" in extra else 1)
@@ -38,6 +38,8 @@ def test_fsdp_trains_as_one_process(world, extra):
     assert got == pytest.approx(want, rel=1e-5)
     shard = 2 if "--fsdp-shard-size" in extra else dp
     assert all(rt.fsdp is not None and rt.fsdp.n == shard for rt in rts)
+    # dp 3: the layers (49,984 elements) are padded, gathered into slots and copied out
+    assert all(rts[0].fsdp.inplace) == (dp != 3) and bool(rts[0].fsdp.slots) == (dp == 3)
 
 
 def freed(a: np.ndarray) -> bool:
@@ -193,6 +195,25 @@ def test_memory_estimate_of_a_deep_stage():
         shards, embedding = sum(size.values()) // 2, size["wte"] + size["extras"]
         assert est["parameters"] == 4 * (shards + embedding + 3 * size["h.0"])
         assert est["gradients"] == 4 * (shards + embedding + layers * size["h.0"])
+
+
+def test_memory_estimate_with_padded_units():
+    """dp 3: no unit divides by 3, every one goes through the two gather slots and the two
+    reduce-scatter slots (of the largest, wte); a unit's unsharded gradients are given back
+    at its reduce-scatter's start, so two layers' at once (the one completing, the next
+    being written) besides the embedding's."""
+    _, rts = run(3, layers="4", m=1)
+    rt = rts[0]
+    est = estimate(rt.S, 0, 0, "real", rt.plan)
+    units = {u.key: u for u, _, _ in fsdp.shard_units(rt.layout)}
+    P = {k: u.padded(3) for k, u in units.items()}
+    assert all(P[k] != u.size for k, u in units.items())
+    shards = sum(P.values()) // 3
+    slot = P["wte"]
+    assert est["parameters"] == 4 * (shards + P["wte"] + P["extras"] + 3 * P["h.0"] + 2 * slot)
+    grads = units["wte"].size + units["extras"].size + 2 * units["h.0"].size
+    assert est["gradients"] == 4 * (grads + shards + 2 * slot)
+    assert rt.fsdp.nbytes == 4 * (4 * shards + 4 * slot)
 
 
 BAD = [
