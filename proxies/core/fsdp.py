@@ -32,8 +32,11 @@ bytes x (n-1)/n in all, plus 2 P/n (r-1)/r per unit of the replica allreduces wi
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from proxies.core.plan import Collective, Compute, Op, Wait
 
@@ -213,3 +216,44 @@ class FSDP:
         ops += [Wait(f"hsdp:{key}") for key in self._ar]
         self._ar, self._reduced = [], set()
         return ops + list(extra) + [optimizer if optimizer is not None else Compute("optimizer")]
+
+
+# -- memory a unit gives back -------------------------------------------------------------
+# A rank holds a unit's parameters in full only while the unit is gathered (and its
+# unsharded gradients only until their reduce-scatter). A front end whose compute reads
+# fixed views of one flat array keeps the array and gives a freed range's pages back to the
+# OS: the array is private anonymous memory, and MADV_DONTNEED on a range's whole pages
+# drops them (they read as zeros and cost nothing until written again).
+
+PAGE = mmap.PAGESIZE
+
+
+def anonymous(n: int, dtype) -> np.ndarray:
+    """n zeros of `dtype` in private anonymous memory of their own (pages appear as written;
+    `release` gives them back)."""
+    dt = np.dtype(dtype)
+    # MAP_PRIVATE: a shared anonymous mapping keeps its pages in shmem after DONTNEED
+    mm = mmap.mmap(-1, max(n * dt.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mm, dtype=dt, count=n)
+
+
+def release(arr: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """Give the whole pages of arr[lo:hi] back to the OS (arr from `anonymous`, or a view of
+    one): they read as zeros afterwards. The partial pages at the ends, shared with the
+    neighbouring ranges, are left as they are. Returns (a, b): arr[a:b] was given back
+    (a == b: nothing, the range spans no whole page)."""
+    base = arr
+    while isinstance(base, np.ndarray):  # a view's base chain ends at the mmap's buffer
+        base = base.base
+    base = base.obj if isinstance(base, memoryview) else base
+    if not isinstance(base, mmap.mmap):
+        raise ValueError("release needs an array from fsdp.anonymous")
+    origin = np.frombuffer(base, dtype=np.uint8).__array_interface__["data"][0]
+    start = arr[lo:hi].__array_interface__["data"][0] - origin
+    end = start + (hi - lo) * arr.itemsize
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last <= first:
+        return lo, lo
+    base.madvise(mmap.MADV_DONTNEED, first, last - first)
+    step = arr.itemsize
+    return lo + (first - start) // step, lo + (last - start) // step

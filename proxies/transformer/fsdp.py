@@ -25,12 +25,15 @@ import numpy as np
 
 from proxies.core.fsdp import (
     FSDP,
+    GATHER,
     REPLICA_GROUP,
+    SCATTER,
     SHARD_GROUP,
     SLOTS,
     ShardUnit,
     Step,
     hsdp_groups,
+    release,
 )
 from proxies.core.grid import ProcessGrid
 from proxies.core.pipeline import pipeline_ops
@@ -149,14 +152,25 @@ def fsdp_plans(S: Setup, grid: ProcessGrid, schedule: str, pieces):
 class ShardedParams:
     """The runtime's FSDP state of one rank (real compute): each unit's parameter shard
     (rank r of its shard group holds block r of the padded unit), its reduced gradient
-    shard and AdamW moments; two gather slots and two reduce-scatter slots (the plan waits
-    a slot's collective before it reuses the slot). A reduce-scatter slot's reduced block is
-    saved into the unit's gradient shard when the slot is reused, when the shard is asked
-    for (HSDP's replica allreduce, the tied embedding's) or at the optimizer.
+    shard and AdamW moments. A unit's reduced block is saved into its gradient shard when
+    its reduce-scatter slot is reused (the plan waits a slot's collective before it reuses
+    the slot), when the shard is asked for (HSDP's replica allreduce, the tied
+    embedding's) or at the optimizer.
 
-    The StageShard keeps its full flat parameter array as the place a unit is unsharded
-    into (fsdp_unshard copies the gathered slot there; fsdp_reshard fills it with NaN, so a
-    piece that runs without its gather, or a wrong gather, spoils the loss)."""
+    The StageShard computes on fixed views of its flat parameter and gradient arrays, which
+    are private anonymous memory here (model.py, core/fsdp.py anonymous): a unit exists in
+    full only while it is gathered. A unit whose size needs no padding is all-gathered
+    straight into its range of the flat array (this rank's shard copied into its block
+    first); a padded one (its padding would spill into a neighbour, which may be in use)
+    into one of two gather slots, copied into its range by fsdp_unshard. fsdp_reshard gives
+    the range's pages back to the OS (core/fsdp.py release: they read as zeros) and fills
+    the partial pages at its ends with NaN, so a piece that runs without its gather, or
+    with a wrong one, computes on zeros and NaN and spoils the loss. Gradients likewise: an
+    unpadded unit is reduce-scattered in place in its range of the flat gradients, given
+    back once its block is saved; a padded one is copied into one of two reduce-scatter
+    slots and given back then (the next iteration's backward writes them afresh:
+    StageShard._fresh). With several micro-batches they accumulate in full until the last
+    one's reduce-scatter (FSDP's no_sync)."""
 
     def __init__(self, S: Setup, model, layout: Layout, shard_rank: int) -> None:
         self.S, self.model, self.n, self.r = S, model, S.fsdp, shard_rank
@@ -170,29 +184,43 @@ class ShardedParams:
             self.shards[-1][: block.size] = block  # the padding stays zero
             for arrays in (self.grads, self.m, self.v):
                 arrays.append(np.zeros(k, dtype=dt))
-        big = max((u.padded(self.n) for u, _, _ in self.table), default=0)
-        self.slots = [np.zeros(big, dtype=dt) for _ in range(SLOTS)]
-        self.rs_slots = [np.zeros(big, dtype=dt) for _ in range(FSDP_INFLIGHT)]
+        self.inplace = [u.padded(self.n) == u.size for u, _, _ in self.table]
+        big = slot_elements([u for u, _, _ in self.table], self.n)
+        self.slots = [np.zeros(big, dtype=dt) for _ in range(SLOTS if big else 0)]
+        self.rs_slots = [np.zeros(big, dtype=dt) for _ in range(FSDP_INFLIGHT if big else 0)]
         self.slot_of: dict[int, np.ndarray] = {}  # unit -> the slot its gather went into
+        self.landed: set[int] = set()  # units gathered in place, not yet unsharded
         self.rs_held: dict[int, int] = {}  # reduce-scatter slot -> unit not yet saved
         self.t = 0
-        model.params[...] = np.nan  # nothing is readable before its gather
+        for i in range(len(self.table)):  # nothing is readable (or resident) before its gather
+            self._free(i)
 
     def _block(self, arr: np.ndarray, i: int) -> np.ndarray:
         k = self.table[i][0].shard(self.n)
         return arr[self.r * k : (self.r + 1) * k]
 
+    def _free(self, i: int) -> None:
+        """Unit i's parameters given back: zeros, NaN on the partial pages at its ends."""
+        _, lo, hi = self.table[i]
+        a, b = release(self.model.params, lo, hi)
+        self.model.params[lo:a] = np.nan
+        self.model.params[b if b > a else lo : hi] = np.nan
+
     def buffer(self, name: str, i: int) -> np.ndarray:
-        """The buffer a collective runs on, filled as its start needs it: a gather slot
-        with this rank's shard in its block (FSDP's all-gather copy-in), the unit's
-        reduce-scatter buffer with its gradients (padding zero), the reduced block."""
+        """The buffer a collective runs on, filled as its start needs it: the unit's range
+        of the model's array or a gather slot, with this rank's shard in its block (FSDP's
+        all-gather copy-in), the unit's reduce-scatter buffer with its gradients (padding
+        zero), the reduced block."""
         u, lo, hi = self.table[i]
         P = u.padded(self.n)
         if name.startswith("fsdp_ag"):
-            slot = self.slots[int(name[7:])][:P]
-            self._block(slot, i)[...] = self.shards[i]
-            self.slot_of[i] = slot
-            return slot
+            if self.inplace[i]:
+                dest = self.model.params[lo:hi]
+                self.landed.add(i)
+            else:
+                dest = self.slot_of[i] = self.slots[int(name[7:])][:P]
+            self._block(dest, i)[...] = self.shards[i]
+            return dest
         if name == "fsdp_rshard":
             self._save(i)
             return self.grads[i]
@@ -201,15 +229,24 @@ class ShardedParams:
             held = self.rs_held.pop(s, None)
             if held is not None:  # its reduce-scatter was waited before this one started
                 self._save_from(s, held)
-            buf = self.rs_slots[s][:P]
-            buf[: hi - lo] = self.model.grads[lo:hi]
-            buf[hi - lo :] = 0
+            if self.inplace[i]:  # reduced in place: the engine leaves block r at its place
+                buf = self.model.grads[lo:hi]
+            else:
+                buf = self.rs_slots[s][:P]
+                buf[: hi - lo] = self.model.grads[lo:hi]
+                buf[hi - lo :] = 0
+                release(self.model.grads, lo, hi)  # the unsharded gradients are done with
             self.rs_held[s] = i
             return buf
         raise KeyError(name)
 
     def _save_from(self, s: int, i: int) -> None:
-        self.grads[i][...] = self._block(self.rs_slots[s], i)
+        _, lo, hi = self.table[i]
+        if self.inplace[i]:
+            self.grads[i][...] = self._block(self.model.grads[lo:hi], i)
+            release(self.model.grads, lo, hi)  # the unsharded gradients are done with
+        else:
+            self.grads[i][...] = self._block(self.rs_slots[s], i)
 
     def _save(self, i: int) -> None:
         """Unit i's reduced block into its gradient shard, if a slot still holds it."""
@@ -221,12 +258,15 @@ class ShardedParams:
     def compute(self, name: str, i: int) -> None:
         _, lo, hi = self.table[i]
         if name.startswith("fsdp_unshard:"):
+            if i in self.landed:  # gathered in place: already there
+                self.landed.discard(i)
+                return
             slot = self.slot_of.pop(i, None)
             # None: --compute replay times the compute ops alone, with no gather before;
             # zeros then stand in (the same kernels and shapes, finite values)
             self.model.params[lo:hi] = 0 if slot is None else slot[: hi - lo]
         elif name.startswith("fsdp_reshard:"):
-            self.model.params[lo:hi] = np.nan
+            self._free(i)
         else:
             raise ValueError(f"unknown FSDP op {name!r}")
 
@@ -246,6 +286,62 @@ class ShardedParams:
         """What this state allocates (shards, moments, slots, reduce-scatter buffers)."""
         arrays = self.shards + self.grads + self.m + self.v + self.slots + self.rs_slots
         return sum(a.nbytes for a in arrays)
+
+
+def slot_elements(units: list[ShardUnit], n: int) -> int:
+    """Elements of one gather slot: the largest padded unit that cannot be gathered in place
+    (0: every unit is gathered into the model's array)."""
+    return max((u.padded(n) for u in units if u.padded(n) != u.size), default=0)
+
+
+def resident_peaks(plan: Plan, units: list[ShardUnit], n: int, m: int) -> tuple[int, int]:
+    """Elements of the most gathered parameters and of the most unsharded gradients one rank
+    holds at once, walking its plan as ShardedParams runs it: a unit's parameters from its
+    gather's start to its reshard; with one micro-batch its gradients from the unshard that
+    precedes its reduce-scatter (the backward that writes them) until they are given back:
+    a padded unit's at its reduce-scatter's start, an unpadded one's when its reduced block
+    is saved (the next reduce-scatter on its slot, its shard's allreduce, the optimizer);
+    with several micro-batches (no_sync) all of them all along."""
+    live: dict[int, int] = {}
+    gathered = 0
+    unshard: dict[int, int] = {}
+    start: dict[int, int] = {}  # unit -> the op its gradients appear at
+    held: dict[str, int] = {}  # reduce-scatter slot -> unit whose block it holds
+    grads: list[tuple[int, int, int]] = []  # (from op, to op, elements)
+
+    def save(key: int, t: int) -> None:
+        if key in start:
+            grads.append((start.pop(key), t, units[key].size))
+
+    for t, op in enumerate(plan.ops):
+        if isinstance(op, Collective) and op.category == GATHER:
+            live[op.mb] = units[op.mb].padded(n)
+            gathered = max(gathered, sum(live.values()))
+        elif isinstance(op, Collective) and op.category == SCATTER:
+            if op.buf in held:
+                save(held.pop(op.buf), t)
+            start[op.mb] = unshard[op.mb]
+            if units[op.mb].padded(n) != units[op.mb].size:
+                save(op.mb, t)
+            else:
+                held[op.buf] = op.mb
+        elif isinstance(op, Collective) and op.buf == "fsdp_rshard":
+            save(op.mb, t)
+        elif isinstance(op, Compute) and op.name.startswith("fsdp_reshard:"):
+            live.pop(op.mb)
+        elif isinstance(op, Compute) and op.name.startswith("fsdp_unshard:"):
+            unshard[op.mb] = t
+        elif isinstance(op, Compute) and op.name == "optimizer":
+            for key in list(start):
+                save(key, t)
+    if m > 1:
+        return gathered, sum(u.size for u in units)
+    events = sorted([(a, k) for a, _, k in grads] + [(b, -k) for _, b, k in grads])
+    now = peak = 0
+    for _, k in events:  # at one op, what is given back goes before what appears
+        now += k
+        peak = max(peak, now)
+    return gathered, peak
 
 
 def fsdp_text(S: Setup) -> str:

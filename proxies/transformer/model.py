@@ -96,8 +96,14 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
         # (as GPT-2's classifier keeps dlogits): no second logits matmul.
         head = any(ch.head for ch in self.chunks.values())
         self.keeps_logits = head and S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
-        self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
-        self.grads = np.zeros_like(self.params)
+        if S.fsdp:  # FSDP gives a freed unit's pages back to the OS (transformer/fsdp.py)
+            from proxies.core.fsdp import anonymous
+
+            self.params = anonymous(self.layout.dense_size, self.dtype)
+            self.grads = anonymous(self.layout.dense_size, self.dtype)
+        else:
+            self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
+            self.grads = np.zeros_like(self.params)
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
         self.egrads = np.zeros_like(self.eparams)
         self.w = self._views(self.params, self.eparams)

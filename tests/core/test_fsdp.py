@@ -1,12 +1,15 @@
 """core/fsdp.py: the FSDP lowering of a pass, by hand: gathers posted one unit ahead and
 waited just before the unit's first step, frees after its last, reduce-scatters after the
 step that completes it (at most `inflight` in flight), HSDP's replica allreduces, padding
-and the traffic it adds up to."""
+and the traffic it adds up to; anonymous memory whose released pages leave the resident
+set."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from proxies.core import fsdp
 from proxies.core.fsdp import FSDP, ShardUnit, Step, hsdp_groups
 from proxies.core.plan import Collective, Compute, Wait
 
@@ -133,3 +136,35 @@ def test_hsdp_groups_are_consecutive_shards_and_strided_replicas():
     assert hsdp_groups(dp, 4, 2) == ((14, 15), (10, 12, 14))
     assert hsdp_groups(dp, 4, 3) == ((13, 14, 15), (11, 14))
     assert hsdp_groups(dp, 1, 6) == (dp, (11,))
+
+
+def resident(a: np.ndarray) -> int:
+    """Bytes of the pages under `a` present in memory now (/proc/self/pagemap: one 64-bit
+    entry per page, bit 63 set when present; smaps would not do, the kernel merges
+    neighbouring anonymous mappings)."""
+    page = fsdp.PAGE
+    start = a.__array_interface__["data"][0] // page
+    end = -(-(a.__array_interface__["data"][0] + a.nbytes) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(8 * start)
+        entries = np.frombuffer(f.read(8 * (end - start)), dtype=np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63))) * page
+
+
+def test_release_gives_whole_pages_back():
+    """anonymous memory: a released range reads zeros, except the partial pages at its ends,
+    and those pages leave the resident set; a plain array is refused."""
+    page = fsdp.PAGE // 4  # float32 elements per page
+    a = fsdp.anonymous(64 * page, np.float32)
+    assert resident(a) == 0 and not a.any()
+    a[...] = 1
+    assert resident(a) == a.nbytes
+    view = a[3:]
+    lo, hi = fsdp.release(view, 10, 40 * page + 5)  # a[13 : 40 page + 8]
+    assert (lo, hi) == (page - 3, 40 * page - 3)  # the whole pages: a[page : 40 page]
+    assert resident(a) == a.nbytes - 39 * fsdp.PAGE
+    assert (a[page : 40 * page] == 0).all()
+    assert (a[:page] == 1).all() and (a[40 * page :] == 1).all()
+    assert fsdp.release(a, 5, page - 1) == (5, 5)  # no whole page: nothing given back
+    with pytest.raises(ValueError, match="fsdp.anonymous"):
+        fsdp.release(np.ones(4 * page, np.float32), 0, 4 * page)

@@ -1,16 +1,18 @@
 """--fsdp (transformer/fsdp.py) in one process: the proxy's own FSDP plans executed with
 emulated collectives (tests/gpt3/test_model.py's emulate) train exactly as the one-process
 model at dp 2 and 4, tp 2 x dp 2 and with hybrid sharding; a wrong all-gather spoils the
-loss; each piece runs with its units gathered; the traffic of one iteration is 3 x the
-(padded) parameters; the memory estimate is the runtime's allocation; bad combinations are
-usage errors. Under MPI: test_fsdp_mpi.py."""
+loss, and so does a missing one; each piece runs with its units gathered; the units give
+their pages back; the traffic of one iteration is 3 x the (padded) parameters; the memory
+estimate by hand; bad combinations are usage errors. Under MPI: test_fsdp_mpi.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from core.test_fsdp import resident
 from gpt3.test_model import TINY, emulate, reference, small_vocab  # noqa: F401 (autouse)
 
+from proxies.core import fsdp as fsdp_core
 from proxies.core.cli import UsageError
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.gpt2 import proxy as gpt2
@@ -26,8 +28,8 @@ def run(world: int, *extra: str, layers: str = "2", m: int = 2):
 
 @pytest.mark.parametrize(
     "world,extra",
-    [(2, ()), (4, ()), (4, ("--tp", "2")), (4, ("--fsdp-shard-size", "2"))],
-    ids=["dp2", "dp4", "tp2xdp2", "hsdp2x2"],
+    [(2, ()), (3, ()), (4, ()), (4, ("--tp", "2")), (4, ("--fsdp-shard-size", "2"))],
+    ids=["dp2", "dp3-padded", "dp4", "tp2xdp2", "hsdp2x2"],
 )
 def test_fsdp_trains_as_one_process(world, extra):
     dp = world // (2 if "--tp" in extra else 1)
@@ -36,11 +38,19 @@ def test_fsdp_trains_as_one_process(world, extra):
     assert got == pytest.approx(want, rel=1e-5)
     shard = 2 if "--fsdp-shard-size" in extra else dp
     assert all(rt.fsdp is not None and rt.fsdp.n == shard for rt in rts)
+    # dp 3: the layers (49,984 elements) are padded, gathered into slots and copied out
+    assert all(rts[0].fsdp.inplace) == (dp != 3) and bool(rts[0].fsdp.slots) == (dp == 3)
+
+
+def freed(a: np.ndarray) -> bool:
+    """Every element reads as a given-back unit does: zero (its whole pages) or NaN."""
+    return bool(((a == 0) | np.isnan(a)).all())
 
 
 def test_a_wrong_gather_spoils_the_loss(monkeypatch):
     """The runtime's parameters come from the gathers only: rank 1's shard copied in as
-    zeros changes the loss; between uses the model's parameters are NaN."""
+    zeros changes the loss; between uses the model's parameters are given back (zeros, NaN
+    on the partial pages at the units' ends)."""
     want, _ = reference(2, 4)
     real = fsdp.ShardedParams.buffer
 
@@ -53,7 +63,45 @@ def test_a_wrong_gather_spoils_the_loss(monkeypatch):
     monkeypatch.setattr(fsdp.ShardedParams, "buffer", scaled)
     got, rts = run(2)
     assert got[0] != pytest.approx(want[0], rel=1e-5)
-    assert np.isnan(rts[0].model.params).all()  # every unit freed after its last use
+    params = rts[0].model.params
+    assert freed(params)  # every unit freed after its last use
+    for *_, hi in rts[0].fsdp.table:  # the array starts on a page
+        assert np.isnan(params[hi - 1]) or hi * 4 % fsdp_core.PAGE == 0
+
+
+def test_a_missing_gather_spoils_the_loss(monkeypatch):
+    """h.0's gathers land elsewhere (as if never issued): its pieces read the given-back
+    range, and the loss is not the model's. Without the change the same run matches."""
+    want, _ = reference(2, 4)
+    real = fsdp.ShardedParams.buffer
+
+    def lost(self, name, i):
+        buf = real(self, name, i)
+        if name.startswith("fsdp_ag") and self.table[i][0].key == "h.0":
+            self.landed.discard(i)
+            self.slot_of.pop(i, None)
+            self._free(i)
+            return buf.copy()
+        return buf
+
+    got, _ = run(2)
+    assert got == pytest.approx(want, rel=1e-5)
+    monkeypatch.setattr(fsdp.ShardedParams, "buffer", lost)
+    got, _ = run(2)
+    assert not got[0] == pytest.approx(want[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_units_give_their_pages_back(m):
+    """After an iteration the flat parameter and gradient arrays hold no unit's pages: at
+    most the two partial pages at each unit's ends stay resident."""
+    _, rts = run(2, layers="4", m=m)
+    for rt in rts:
+        edges = 2 * len(rt.fsdp.table) * fsdp_core.PAGE
+        assert rt.model.params.nbytes > 10 * edges
+        assert resident(rt.model.params) <= edges
+        assert resident(rt.model.grads) <= edges
+        assert freed(rt.model.params)
 
 
 @pytest.mark.parametrize("stages", ["1", "2"])
@@ -114,23 +162,58 @@ def test_one_iteration_sends_three_times_the_parameters(extra):
         assert n == 4 and "hsdp_allreduce" not in got
 
 
-def test_memory_estimate_is_the_runtime_allocation():
-    """The estimate's parameters and optimizer are the shards (1/n) and two gather slots;
-    its parameter, gradient, optimizer and unshard-target parts add up to what the
-    runtime's StageShard and ShardedParams allocate."""
-    _, rts = run(2)
+@pytest.mark.parametrize("m", [1, 2])
+def test_memory_estimate_by_hand(m):
+    """4 layers at dp 2, hand arithmetic: parameters are the shards (1/2, no unit padded)
+    and, gathered at once, the embedding's units (held for a whole pass: the stage's
+    embedding and head read them) and three layers (the one in use, the one prefetched,
+    the one the model finishes in the next piece); gradients with one micro-batch the
+    embedding's and four layers' (two being written, two reduced in place whose blocks are
+    saved when their slots are reused), with two every unit's (no_sync); AdamW's moments
+    of the shards. The runtime allocates the shards, reduced shards and moments, no slot."""
+    _, rts = run(2, layers="4", m=m)
     rt = rts[0]
     est = estimate(rt.S, 0, 0, "real", rt.plan)
-    lay = rt.layout
-    units = [u for u, _, _ in fsdp.shard_units(lay)]
-    shards = sum(u.shard(2) for u in units)
-    big = max(u.padded(2) for u in units)
-    assert est["parameters"] == 4 * (shards + 2 * big)
+    size = {u.key: u.size for u, _, _ in fsdp.shard_units(rt.layout)}
+    assert all(v % 2 == 0 for v in size.values())  # no padding: gathered in place
+    shards = sum(size.values()) // 2
+    embedding, layer = size["wte"] + size["extras"], size["h.0"]
+    assert est["parameters"] == 4 * (shards + embedding + 3 * layer)
+    assert est["gradients"] == 4 * (shards + embedding + 4 * layer)  # 4 layers: all of them
     assert est["optimizer"] == 2 * 4 * shards
-    assert shards * 2 - lay.dense_size < 2 * len(units)  # half of the parameters, padded
-    held = rt.model.params.nbytes + rt.model.grads.nbytes + rt.fsdp.nbytes
-    parts = ("parameters", "gradients", "optimizer", "unshard_target")
-    assert held == sum(est[p] for p in parts)
+    assert rt.fsdp.nbytes == 4 * 4 * shards and not rt.fsdp.slots and not rt.fsdp.rs_slots
+
+
+def test_memory_estimate_of_a_deep_stage():
+    """8 layers, one micro-batch: still three layers gathered and four layers' unsharded
+    gradients at once (not eight); with two micro-batches all eight."""
+    argv = ["8", "1", "--fsdp", "--dry-run", *TINY]
+    for m, layers in ((1, 4), (2, 8)):
+        job = gpt3.make_job(gpt3.parser().parse_args([*argv, "--micro-batches", str(m)]), 2)
+        est = estimate(job.setup, 0, 0, "real", job.plan(0))
+        size = {u.key: u.size for u, _, _ in fsdp.shard_units(Layout(job.setup, 0))}
+        shards, embedding = sum(size.values()) // 2, size["wte"] + size["extras"]
+        assert est["parameters"] == 4 * (shards + embedding + 3 * size["h.0"])
+        assert est["gradients"] == 4 * (shards + embedding + layers * size["h.0"])
+
+
+def test_memory_estimate_with_padded_units():
+    """dp 3: no unit divides by 3, every one goes through the two gather slots and the two
+    reduce-scatter slots (of the largest, wte); a unit's unsharded gradients are given back
+    at its reduce-scatter's start, so two layers' at once (the one completing, the next
+    being written) besides the embedding's."""
+    _, rts = run(3, layers="4", m=1)
+    rt = rts[0]
+    est = estimate(rt.S, 0, 0, "real", rt.plan)
+    units = {u.key: u for u, _, _ in fsdp.shard_units(rt.layout)}
+    P = {k: u.padded(3) for k, u in units.items()}
+    assert all(P[k] != u.size for k, u in units.items())
+    shards = sum(P.values()) // 3
+    slot = P["wte"]
+    assert est["parameters"] == 4 * (shards + P["wte"] + P["extras"] + 3 * P["h.0"] + 2 * slot)
+    grads = units["wte"].size + units["extras"].size + 2 * units["h.0"].size
+    assert est["gradients"] == 4 * (grads + shards + 2 * slot)
+    assert rt.fsdp.nbytes == 4 * (4 * shards + 4 * slot)
 
 
 BAD = [
@@ -162,14 +245,14 @@ def test_virtual_stages_refused():
 
 def test_replay_calibration_unshards_without_a_gather():
     """--compute replay times the compute ops alone: an unshard with no gather before it
-    leaves zeros (finite), not the NaN of a freed unit."""
+    leaves zeros (finite), not the NaN of a freed unit's ends."""
     _, rts = run(2)
     fs = rts[0].fsdp
     u, lo, hi = fs.table[0]
     fs.compute(f"fsdp_unshard:{u.key}", 0)
     assert not rts[0].model.params[lo:hi].any()
     fs.compute(f"fsdp_reshard:{u.key}", 0)
-    assert np.isnan(rts[0].model.params[lo:hi]).all()
+    assert freed(rts[0].model.params[lo:hi]) and np.isnan(rts[0].model.params[hi - 1])
 
 
 def test_175b_at_1024_ranks_dry_run_is_valid(capsys):
