@@ -75,14 +75,12 @@ def resolve(args, world: int) -> tuple[Setup, object]:
         args.moe_experts = cfg.experts
     if args.moe_experts:  # the parameter count follows the experts run
         cfg = replace(cfg, experts=args.moe_experts, ffn_dim=args.moe_ffn_hidden or cfg.ffn_dim)
-    if args.compute in ("real", "replay"):
+    if args.compute in ("real", "replay") and args.cp > 1:
         raise err(
-            f"--compute {args.compute}: the LLaMA layer's real compute is not built yet; "
-            "use --compute model or none"
+            f"--compute {args.compute} with --cp: the LLaMA layer's context-parallel real "
+            "compute is not built yet; use --compute model or none"
         )
-    if args.compute is None:
-        args.compute = "model"
-    S, grid = gpt3.resolve(args, world, presets={args.model: cfg}, real=())
+    S, grid = gpt3.resolve(args, world, presets={args.model: cfg}, real=TINY)
     # wte first, the layers, then ln_f and the untied lm_head: backward order is descending
     # addresses, so a gradient bucket stays one range (layout.Layout)
     return replace(S, param_order=GPT2_ORDER), grid
@@ -163,5 +161,3 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     cli.run_main(PROG, main, sys.argv[1:])
 
-
-__all__ = ["TINY", "main", "make_job", "parser"]

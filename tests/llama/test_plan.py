@@ -149,7 +149,7 @@ BAD = [
         4,
         "splits the 1 key/value heads",
     ),
-    (["4", "1", "--model", "llama-tiny", "--compute", "real"], 1, "not built yet"),
+    (["4", "1", "--model", "llama-tiny", "--cp", "2", "--compute", "real"], 2, "not built yet"),
 ]
 
 
