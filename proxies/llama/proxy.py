@@ -160,4 +160,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     cli.run_main(PROG, main, sys.argv[1:])
-

@@ -75,7 +75,7 @@ class MoEPieces:
 
     def _fwd_expert(self, st, ch: Chunk, mb: int, l: int) -> None:
         """Every local expert on the tokens every source rank sent it."""
-        S, moe, C = self.S, self.S.moe, self.S.cfg.n_embd
+        moe, C = self.S.moe, self.S.cfg.n_embd
         a, w = st.layers[l], self.w
         buf = self._expert_tokens()
         a.ex = []
