@@ -75,10 +75,10 @@ def resolve(args, world: int) -> tuple[Setup, object]:
         args.moe_experts = cfg.experts
     if args.moe_experts:  # the parameter count follows the experts run
         cfg = replace(cfg, experts=args.moe_experts, ffn_dim=args.moe_ffn_hidden or cfg.ffn_dim)
-    if args.compute in ("real", "replay") and args.cp > 1:
+    if args.compute in ("real", "replay") and args.cp > 1 and args.cp_comm == "alltoall":
         raise err(
-            f"--compute {args.compute} with --cp: the LLaMA layer's context-parallel real "
-            "compute is not built yet; use --compute model or none"
+            f"--compute {args.compute} with --cp-comm alltoall: the LLaMA layer's Ulysses "
+            "real compute is not built yet; use ring or allgather, or --compute model or none"
         )
     S, grid = gpt3.resolve(args, world, presets={args.model: cfg}, real=TINY)
     # wte first, the layers, then ln_f and the untied lm_head: backward order is descending

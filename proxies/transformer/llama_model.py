@@ -95,8 +95,9 @@ class _Tensors(dict):
 
 
 class LlamaShard(StageShard):
-    """StageShard with the LLaMA layer (module docstring). Context parallelism is not
-    supported yet (its kernels assume k and v as wide as q)."""
+    """StageShard with the LLaMA layer (module docstring). Context parallelism: the
+    all-gather and ring families (cp_kernels' GQA), RoPE applied to q and k right after the
+    qkv projection at the rank's true positions, before k and v travel."""
 
     HEAD = "lm_head"
 
@@ -111,10 +112,20 @@ class LlamaShard(StageShard):
         kernels: ModuleType = fast,
         cp_rank: int = 0,
     ) -> None:
-        if S.cp > 1:
-            raise ValueError("LLaMA's real compute does not support context parallelism yet")
+        if S.cp > 1 and S.cp_comm == "alltoall":
+            raise ValueError("LLaMA's real compute: --cp-comm alltoall is not supported yet")
         super().__init__(S, stage, tp_rank, ep_rank, seed, dtype, kernels, cp_rank)
-        self.k = LlamaKernels(kernels, self, np.arange(self.S.T))
+        # RoPE at the tokens' true positions: a cp rank's own (cpshard.py), else 0..T-1
+        pos = self.pos if self.cp is not None else np.arange(self.S.T)
+        self.k = LlamaKernels(kernels, self, pos)
+
+    def _cp_rotate(self, qkv: np.ndarray) -> None:
+        for x in self.k._qk(qkv):
+            lk.rope_forward(x, self.k.cos, self.k.sin)
+
+    def _cp_rotate_back(self, dqkv: np.ndarray) -> None:
+        for x in self.k._qk(dqkv):
+            lk.rope_backward(x, self.k.cos, self.k.sin)
 
     def _views(self, dense: np.ndarray, expert: np.ndarray) -> dict[str, np.ndarray]:
         return _Tensors(super()._views(dense, expert))
@@ -154,7 +165,7 @@ class LlamaShard(StageShard):
                 ln1_mean=e(0),  # RMSNorm keeps rstd only
                 ln1_rstd=e(B, Ts),
                 qkv=e(B, T, cfg.qkv_rows // tp),
-                att=e(B, self.NHl, T, T),
+                att=e(B, self.NHl, T, T) if self.cp is None else e(0),
                 atty=e(B, T, C // tp),
                 res2=e(B, Ts, C),
                 ln2=e(B, Ts, C),
@@ -165,6 +176,8 @@ class LlamaShard(StageShard):
             if not S.moe:
                 F = cfg.ffn_dim // tp
                 a.fch, a.fch_gelu = e(B, T, 2 * F), e(B, T, F)
+            if self.cp is not None:
+                self._cp_alloc(a)
             st.layers[l] = a
         if ch.head:
             st.lnf, st.lnf_mean, st.lnf_rstd, st.lse = e(B, Ts, C), e(0), e(B, Ts), e(B, T)
