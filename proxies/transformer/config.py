@@ -50,6 +50,7 @@ class GPT2Config:
     learned_pos: ClassVar[bool] = True  # a position embedding wpe (else rotary, no tensor)
     biases: ClassVar[bool] = True  # layernorm biases and matmul biases
     gated: ClassVar[bool] = False  # SwiGLU MLP (fc holds gate and up: 2F rows) else GELU
+    rmsnorm: ClassVar[bool] = False  # RMSNorm (keeps rstd only) else layernorm
 
     @property
     def kv_heads(self) -> int:

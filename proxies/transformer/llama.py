@@ -32,6 +32,7 @@ class LlamaConfig(GPT3Config):
     learned_pos: ClassVar[bool] = False
     biases: ClassVar[bool] = False
     gated: ClassVar[bool] = True
+    rmsnorm: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
