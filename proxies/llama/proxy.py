@@ -75,11 +75,6 @@ def resolve(args, world: int) -> tuple[Setup, object]:
         args.moe_experts = cfg.experts
     if args.moe_experts:  # the parameter count follows the experts run
         cfg = replace(cfg, experts=args.moe_experts, ffn_dim=args.moe_ffn_hidden or cfg.ffn_dim)
-    if args.compute in ("real", "replay") and args.cp > 1 and args.cp_comm == "alltoall":
-        raise err(
-            f"--compute {args.compute} with --cp-comm alltoall: the LLaMA layer's Ulysses "
-            "real compute is not built yet; use ring or allgather, or --compute model or none"
-        )
     S, grid = gpt3.resolve(args, world, presets={args.model: cfg}, real=TINY)
     # wte first, the layers, then ln_f and the untied lm_head: backward order is descending
     # addresses, so a gradient bucket stays one range (layout.Layout)

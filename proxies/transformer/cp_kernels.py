@@ -356,11 +356,22 @@ def ring_backward_block(
 # Ulysses family
 
 
-def ulysses_pack(send: np.ndarray, x: np.ndarray, N: int, parts: int) -> int:
+def ulysses_pack(
+    send: np.ndarray, x: np.ndarray, N: int, parts: int, widths: tuple[int, ...] | None = None
+) -> int:
     """Sequence- to head-sharded, the send side: x (B,Tl,parts*C), this rank's tokens with
     all heads (parts = 3 for qkv, 1 for dout), -> send (N,B,Tl,parts*C/N) contiguous, block j
     (for rank j) = heads [j NH/N, (j+1) NH/N) of each part. The receiver places the blocks
-    in global order (place) into (B,T,parts*C/N): a qkv of NH/N heads. Count per peer."""
+    in global order (place) into (B,T,parts*C/N): a qkv of NH/N heads. Count per peer.
+    widths: the parts' unequal widths (GQA's qkv: NH hs, KVH hs, KVH hs), each split in N."""
+    if widths is not None:
+        B, Tl, _ = x.shape
+        blocks, lo, at = send.reshape(N, B, Tl, -1), 0, 0
+        for w in widths:
+            part = x[..., lo : lo + w].reshape(B, Tl, N, w // N).transpose(2, 0, 1, 3)
+            blocks[..., at : at + w // N] = part
+            lo, at = lo + w, at + w // N
+        return send[0].size
     B, Tl, W = x.shape
     C = W // parts
     send.reshape(N, B, Tl, parts, C // N)[...] = x.reshape(B, Tl, parts, N, C // N).transpose(
@@ -369,11 +380,20 @@ def ulysses_pack(send: np.ndarray, x: np.ndarray, N: int, parts: int) -> int:
     return send[0].size
 
 
-def ulysses_unpack(x: np.ndarray, recv: np.ndarray, parts: int) -> None:
+def ulysses_unpack(
+    x: np.ndarray, recv: np.ndarray, parts: int, widths: tuple[int, ...] | None = None
+) -> None:
     """Head- to sequence-sharded, the receive side: recv (N,B,Tl,parts*C/N), block j from
     rank j (its heads, this rank's tokens: take on the sender), -> x (B,Tl,parts*C) all
-    heads. The inverse of ulysses_pack (parts = 1 for out, 3 for dqkv)."""
+    heads. The inverse of ulysses_pack (parts = 1 for out, 3 for dqkv; widths as there)."""
     N, B, Tl, Wn = recv.shape
+    if widths is not None:
+        lo, at = 0, 0
+        for w in widths:
+            part = x[..., lo : lo + w].reshape(B, Tl, N, w // N)
+            part[...] = recv[..., at : at + w // N].transpose(1, 2, 0, 3)
+            lo, at = lo + w, at + w // N
+        return
     x.reshape(B, Tl, parts, N, Wn // parts)[...] = recv.reshape(
         N, B, Tl, parts, Wn // parts
     ).transpose(1, 2, 3, 0, 4)

@@ -59,6 +59,10 @@ class ContextParallelPieces:
         n, B, Tl, C, tp = S.cp, S.B, S.Tc, S.cfg.n_embd, S.tp
         self.kvW = 2 * S.cfg.kv_width // tp  # a token's k|v on this tp rank (GQA: KVH heads)
         self.cp_kvh = S.cfg.kv_heads // tp  # key/value heads on this tp rank
+        self.cp_outw = C // tp // n  # Ulysses: a head shard's attention output per token
+        # Ulysses' qkv parts when k, v are narrower than q (GQA), else three equal ones
+        kvw = S.cfg.kv_width // tp
+        self.cp_widths = None if kvw == C // tp else (C // tp, kvw, kvw)
         kv = B * Tl * self.kvW
         z = np.zeros
         self._cpbuf: dict[str, np.ndarray] = {}
@@ -124,7 +128,7 @@ class ContextParallelPieces:
         """A layer's cp state: the gathered k|v (allgather), the kept block of r-1 and the
         log-sum-exp (ring), the head-sharded qkv of the whole sequence (alltoall)."""
         S, Tl = self.cpS, self.S.T
-        B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
+        B, T, tp = S.B, S.T, S.tp
         e = np.empty
         if S.cp_comm == "allgather":
             a.kv = e((B, T, self.kvW), self.dtype)
@@ -134,7 +138,7 @@ class ContextParallelPieces:
             a.lse = e((B, self.NHl, Tl), self.dtype)
             a.att = e(0, self.dtype)
         else:
-            a.kv = e((B, T, 3 * C // tp // S.cp), self.dtype)
+            a.kv = e((B, T, S.cfg.qkv_rows // tp // S.cp), self.dtype)
             a.att = e((B, self.NHl // S.cp, T, T), self.dtype)
 
     # ------------------------------------------------------------------------------------
@@ -173,7 +177,8 @@ class ContextParallelPieces:
             ck.kv_pack(self._ring_kv(), a.qkv)
         else:
             W = a.qkv.shape[-1] // self.cp
-            ck.ulysses_pack(self._blocks_of(self._cpbuf["cp_qkv"], W), a.qkv, self.cp, 3)
+            blocks = self._blocks_of(self._cpbuf["cp_qkv"], W)
+            ck.ulysses_pack(blocks, a.qkv, self.cp, 3, self.cp_widths)
 
     def _cp_fwd_core(self, st: ChunkActs, ch: Chunk, mb: int, l: int, step: int) -> None:
         a, comm, NH = st.layers[l], self.cpS.cp_comm, self.NHl
@@ -199,9 +204,9 @@ class ContextParallelPieces:
             S, n = self.cpS, self.cp
             W = a.kv.shape[-1]
             ck.place(a.kv, self._blocks_of(self._cpbuf["cp_qkv"], W), self.cp_pos)
-            y = self.scratch("cp_y", S.B, S.T, W // 3)
+            y = self.scratch("cp_y", S.B, S.T, self.cp_outw)
             self.k.attention_forward(y, a.att, a.kv, NH // n)
-            ck.take(self._blocks_of(self._cpbuf["cp_out"], W // 3), y, self.cp_pos)
+            ck.take(self._blocks_of(self._cpbuf["cp_out"], self.cp_outw), y, self.cp_pos)
 
     def _cp_fwd_proj(self, st: ChunkActs, ch: Chunk, mb: int, l: int, step: int) -> None:
         """The output projection (row-parallel: a partial sum for the TP reduction)."""
@@ -269,8 +274,8 @@ class ContextParallelPieces:
             self._cur = 1 - self._cur
         else:
             W = a.kv.shape[-1]
-            dy = self.scratch("cp_y", S.B, S.T, W // 3)
-            ck.place(dy, self._blocks_of(self._cpbuf["cp_out"], W // 3), self.cp_pos)
+            dy = self.scratch("cp_y", S.B, S.T, self.cp_outw)
+            ck.place(dy, self._blocks_of(self._cpbuf["cp_out"], self.cp_outw), self.cp_pos)
             dfull = self.scratch("cp_dqkv_full", *a.kv.shape)
             self.k.attention_backward(dfull, dy, a.kv, a.att, NH // self.cp, fresh=True)
             ck.take(self._blocks_of(self._cpbuf["cp_qkv"], W), dfull, self.cp_pos)
@@ -288,7 +293,7 @@ class ContextParallelPieces:
             ck.kv_unpack_add(dqkv, self._ring_acc(dqkv.shape[:2]))
         else:
             W = dqkv.shape[-1] // self.cp
-            ck.ulysses_unpack(dqkv, self._blocks_of(self._cpbuf["cp_qkv"], W), 3)
+            ck.ulysses_unpack(dqkv, self._blocks_of(self._cpbuf["cp_qkv"], W), 3, self.cp_widths)
         self._cp_rotate_back(dqkv)
 
     def _cp_rotate(self, qkv: np.ndarray) -> None:

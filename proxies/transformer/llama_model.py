@@ -35,12 +35,17 @@ from proxies.transformer.state import ChunkActs, LayerActs
 class LlamaKernels:
     """The shard's kernels with LLaMA's norm, MLP activation and attention (module doc)."""
 
-    def __init__(self, base: ModuleType, shard: LlamaShard, positions: np.ndarray) -> None:
+    def __init__(
+        self, base: ModuleType, shard: LlamaShard, positions: np.ndarray, rotate: bool = True
+    ) -> None:
         cfg = shard.S.cfg
         self.base, self.eps = base, cfg.norm_eps
         self.NHl, self.KVHl = shard.NHl, cfg.kv_heads // shard.S.tp
         self.hs = cfg.n_embd // cfg.n_head
         self.cos, self.sin = lk.rope_tables(positions, self.hs, cfg.rope_theta)
+        # RoPE inside attention (cp 1); with cp the shard rotates right after the qkv
+        # projection (before k travels) and attention sees rotated q, k
+        self.rotate = rotate
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)  # matmuls, classifier, AdamW: GPT's
@@ -70,9 +75,14 @@ class LlamaKernels:
 
     def attention_forward(self, out, att, qkv, NH: int) -> None:
         """RoPE on q and k in place (the saved qkv holds them rotated), then GQA."""
-        for x in self._qk(qkv):
-            lk.rope_forward(x, self.cos, self.sin)
-        lk.gqa_forward(out, att, qkv, NH, self.KVHl)
+        if self.rotate:
+            for x in self._qk(qkv):
+                lk.rope_forward(x, self.cos, self.sin)
+        lk.gqa_forward(out, att, qkv, NH, self._kvh(qkv, NH))
+
+    def _kvh(self, qkv: np.ndarray, NH: int) -> int:
+        """The kv heads of a qkv holding NH query heads (Ulysses: a head shard's)."""
+        return (qkv.shape[-1] // self.hs - NH) // 2
 
     def attention_backward(self, dqkv, dout, qkv, att, NH: int, fresh: bool = False) -> None:
         if not fresh:  # the rotation applies to this call's part only
@@ -80,9 +90,10 @@ class LlamaKernels:
             self.attention_backward(part, dout, qkv, att, NH, fresh=True)
             dqkv += part
             return
-        lk.gqa_backward(dqkv, dout, qkv, att, NH, self.KVHl, fresh=True)
-        for x in self._qk(dqkv):
-            lk.rope_backward(x, self.cos, self.sin)
+        lk.gqa_backward(dqkv, dout, qkv, att, NH, self._kvh(qkv, NH), fresh=True)
+        if self.rotate:
+            for x in self._qk(dqkv):
+                lk.rope_backward(x, self.cos, self.sin)
 
 
 class _Tensors(dict):
@@ -95,9 +106,9 @@ class _Tensors(dict):
 
 
 class LlamaShard(StageShard):
-    """StageShard with the LLaMA layer (module docstring). Context parallelism: the
-    all-gather and ring families (cp_kernels' GQA), RoPE applied to q and k right after the
-    qkv projection at the rank's true positions, before k and v travel."""
+    """StageShard with the LLaMA layer (module docstring). Context parallelism, every
+    family (cp_kernels' GQA; Ulysses moves each part's heads): RoPE applied to q and k right
+    after the qkv projection at the rank's true positions, before they travel."""
 
     HEAD = "lm_head"
 
@@ -112,12 +123,10 @@ class LlamaShard(StageShard):
         kernels: ModuleType = fast,
         cp_rank: int = 0,
     ) -> None:
-        if S.cp > 1 and S.cp_comm == "alltoall":
-            raise ValueError("LLaMA's real compute: --cp-comm alltoall is not supported yet")
         super().__init__(S, stage, tp_rank, ep_rank, seed, dtype, kernels, cp_rank)
         # RoPE at the tokens' true positions: a cp rank's own (cpshard.py), else 0..T-1
         pos = self.pos if self.cp is not None else np.arange(self.S.T)
-        self.k = LlamaKernels(kernels, self, pos)
+        self.k = LlamaKernels(kernels, self, pos, rotate=self.cp is None)
 
     def _cp_rotate(self, qkv: np.ndarray) -> None:
         for x in self.k._qk(qkv):

@@ -91,8 +91,9 @@ def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
         return B * T * kvw + att, scores + B * T * kvw, 2 * n * kv
     if S.cp_comm == "ring":
         return kv + B * NHl * Tl, B * NHl * Tl * Tl + 2 * kv + 2 * B * Tl * C // tp, 4 * kv
-    att = B * (NHl // n) * T * T + B * T * 3 * C // tp // n
-    return att, B * (NHl // n) * T * T + B * T * 4 * C // tp // n, B * Tl * 4 * C // tp
+    W = S.cfg.qkv_rows  # 3C; GQA's (NH + 2 KVH) hs
+    att = B * (NHl // n) * T * T + B * T * W // tp // n
+    return att, B * (NHl // n) * T * T + B * T * (W + C) // tp // n, B * Tl * (W + C) // tp
 
 
 def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:

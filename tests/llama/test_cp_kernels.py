@@ -1,7 +1,7 @@
-"""Context-parallel attention with grouped-query heads (cp_kernels.py's KVH): N ranks
-simulated in one process, the all-gather and ring families at every split give the unsplit
+"""Context-parallel attention with grouped-query heads (cp_kernels.py's KVH, Ulysses'
+widths): N ranks simulated in one process, every family at every split gives the unsplit
 GQA attention's out and dqkv (llama_kernels.gqa_*) to 1e-5 relative; k,v travel at
-2 KVH hs per token."""
+2 KVH hs per token, Ulysses' head shards hold NH/N query and KVH/N kv heads."""
 
 from __future__ import annotations
 
@@ -94,8 +94,64 @@ def run_ring(local, douts, pos):
     return outs, dqkvs
 
 
-@pytest.mark.parametrize("family", ["allgather", "ring"])
-@pytest.mark.parametrize("split,N", [(s, n) for s in cp.SPLITS for n in (2, 4)])
+def all_to_all(sends):
+    return [np.stack([x[j] for x in sends]) for j in range(len(sends))]
+
+
+def run_ulysses(local, douts, pos):
+    N, Tl = len(pos), T // len(pos)
+    widths = (C, KV // 2, KV // 2)
+    sends = [np.empty((N, B, Tl, W // N), np.float32) for _ in range(N)]
+    for i in range(N):
+        assert K.ulysses_pack(sends[i], local[i], N, 3, widths) == B * Tl * W // N
+    heads, atts, outh = [], [], []
+    for recv in all_to_all(sends):  # rank j: query heads j NH/N.., kv heads j KVH/N..
+        qkvh = np.empty((B, T, W // N), np.float32)
+        K.place(qkvh, recv, pos)
+        o = np.empty((B, T, C // N), np.float32)
+        att = np.empty((B, NH // N, T, T), np.float32)
+        LK.gqa_forward(o, att, qkvh, NH // N, KVH // N)
+        send = np.empty((N, B, Tl, C // N), np.float32)
+        K.take(send, o, pos)
+        heads.append(qkvh)
+        atts.append(att)
+        outh.append(send)
+    outs = []
+    for recv in all_to_all(outh):
+        outs.append(np.empty((B, Tl, C), np.float32))
+        K.ulysses_unpack(outs[-1], recv, 1)
+    dsend = [np.empty((N, B, Tl, C // N), np.float32) for _ in range(N)]
+    for i in range(N):
+        K.ulysses_pack(dsend[i], douts[i], N, 1)
+    back = []
+    for j, recv in enumerate(all_to_all(dsend)):
+        douth = np.empty((B, T, C // N), np.float32)
+        K.place(douth, recv, pos)
+        dqkvh = np.empty_like(heads[j])
+        LK.gqa_backward(dqkvh, douth, heads[j], atts[j], NH // N, KVH // N, fresh=True)
+        back.append(np.empty((N, B, Tl, W // N), np.float32))
+        K.take(back[-1], dqkvh, pos)
+    dqkvs = []
+    for recv in all_to_all(back):
+        dqkvs.append(np.empty((B, Tl, W), np.float32))
+        K.ulysses_unpack(dqkvs[-1], recv, 3, widths)
+    return outs, dqkvs
+
+
+RUN = {"allgather": run_allgather, "ring": run_ring, "alltoall": run_ulysses}
+
+
+# Ulysses splits the KVH = 2 kv heads: N = 2 only
+CASES = [
+    (f, s, n)
+    for f in ("allgather", "ring", "alltoall")
+    for s in cp.SPLITS
+    for n in (2, 4)
+    if n <= KVH or f != "alltoall"
+]
+
+
+@pytest.mark.parametrize("family,split,N", CASES)
 def test_gqa_family_equals_unsplit(family, split, N):
     qkv, dout = r(B, T, W, seed=1), r(B, T, C, seed=2)
     want_out, att = np.empty((B, T, C), np.float32), np.empty((B, NH, T, T), np.float32)
@@ -105,7 +161,6 @@ def test_gqa_family_equals_unsplit(family, split, N):
     pos = cp.positions(split, N, T)
     local = [np.ascontiguousarray(qkv[:, p]) for p in pos]
     douts = [np.ascontiguousarray(dout[:, p]) for p in pos]
-    run = run_allgather if family == "allgather" else run_ring
-    outs, dqkvs = run(local, douts, pos)
+    outs, dqkvs = RUN[family](local, douts, pos)
     close(f"{family} {split} N={N} out", assemble(outs, pos), want_out)
     close(f"{family} {split} N={N} dqkv", assemble(dqkvs, pos), want_dqkv)

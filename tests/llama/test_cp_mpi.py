@@ -1,7 +1,7 @@
 """LLaMA with context parallelism and real compute under mpiexec (tests/cp_driver.py, many
 runs per process group): RoPE at each rank's true positions and GQA's k,v exchanges give
-the one-process losses (relative 1e-5) for every split with the ring and all-gather
-families, and with tp 2 (sequence parallel) and pp 2 beside cp 2."""
+the one-process losses (relative 1e-5) for every split and family (ring, all-gather,
+Ulysses), and with tp 2 (sequence parallel) and pp 2 beside cp 2."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_cp2_every_split_equals_one_process(tmp_path):
     runs = [
         cp_run(s, c, "2", "1", "--micro-batches", "2")
         for s in cpsplit.SPLITS
-        for c in ("ring", "allgather")
+        for c in cpsplit.COMMS
     ]
     runs[0].append("--check")
     check(drive(tmp_path, 2, runs), runs, want)
