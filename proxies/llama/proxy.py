@@ -50,6 +50,13 @@ def parser() -> cli.Parser:
                 "preset (Meta Llama 3, Mistral Mixtral published configs); llama-tiny and "
                 "mixtral-tiny (C=64, 4 heads, 2 kv heads) for tests"
             )
+        elif action.dest == "compute":
+            action.help = (
+                "real: the NumPy LLaMA layer on this rank's shard; replay: each compute op "
+                "timed once with it, then slept; model: sleep FLOPs / --device-tflops; none: "
+                "communication only (default: real for llama-tiny and mixtral-tiny without "
+                "--cp, model otherwise)"
+            )
         elif action.dest == "moe_experts":
             action.default = None
             action.help = "experts per layer (default: the preset's, 8 for Mixtral, else dense)"
