@@ -49,3 +49,10 @@ def test_mixtral_pp2_ep2_trains_like_one_process(tmp_path):
     got = run(tmp_path, 4, "2", "2", "--ep", "2", "--micro-batches", "2", *MIXTRAL, *moe)
     assert got["loss"] == pytest.approx(want, rel=1e-5)
     assert got["config"]["ep"] == 2 and "ep_alltoall" in got["breakdown_s"]
+
+
+@pytest.mark.parametrize("mode", ["replay", "model", "none"])
+def test_every_compute_mode_checks_every_message(tmp_path, mode):
+    argv = ["4", "2", "--tp", "2", "--micro-batches", "4", *TINY, "--sequence-parallel"]
+    got = run(tmp_path, 4, *argv, "--compute", mode)
+    assert got["config"]["compute"] == mode and len(got["iter_time_s"]) == 2
