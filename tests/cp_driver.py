@@ -1,7 +1,7 @@
 """Run under mpiexec by tests/transformer/test_cp_mpi.py: several runs of the GPT proxies in
 one MPI process group (one start-up for many context-parallel configurations).
 
-Arguments: OUT_DIR, then runs separated by "--": each PROG (gpt2 | gpt3) and its argv. Run k
+Arguments: OUT_DIR, then runs separated by "--": each PROG (gpt2 | gpt3 | llama) and its argv. Run k
 writes OUT_DIR/k.json (its --json); a run whose job building fails writes
 OUT_DIR/k.error with the message (rank 0)."""
 
@@ -13,6 +13,7 @@ import numpy as np
 from proxies.core import cli, mpi, runner
 from proxies.gpt2 import proxy as gpt2
 from proxies.gpt3 import proxy as gpt3
+from proxies.llama import proxy as llama
 
 MPI = mpi.init()
 world = MPI.COMM_WORLD
@@ -26,7 +27,7 @@ for a in rest + ["--"]:
     else:
         cur.append(a)
 for k, (prog, *argv) in enumerate(runs):
-    mod = {"gpt2": gpt2, "gpt3": gpt3}[prog]
+    mod = {"gpt2": gpt2, "gpt3": gpt3, "llama": llama}[prog]
     args = mod.parser().parse_args([*argv, "--json", os.path.join(out_dir, f"{k}.json")])
     try:
         job = mod.make_job(args, world.size)

@@ -205,10 +205,14 @@ def parser() -> argparse.ArgumentParser:
 # the setup, validated
 
 
-def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
-    """Check the options against each other and the world size; UsageError names the rule."""
+def resolve(
+    args, world: int, presets: dict | None = None, real: tuple[str, ...] = ("gpt3-tiny",)
+) -> tuple[Setup, ProcessGrid]:
+    """Check the options against each other and the world size; UsageError names the rule.
+    `presets` and `real` (the presets real compute is the default for): another front end's
+    (proxies/llama), GPT-3's by default."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
-    cfg = PRESETS[args.model]
+    cfg = (presets or PRESETS)[args.model]
     cfg = options.with_context(args, cfg)  # --context: a longer position embedding
     L = args.layers or cfg.n_layer
     pp, tp, B, cp = args.stages, args.tp, args.micro_batch, args.cp
@@ -219,7 +223,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     err = cli.UsageError
     if args.compute is None:
         # real for the tiny preset; with --cp > 1 model (--compute real runs it too)
-        args.compute = "real" if args.model == "gpt3-tiny" and args.cp == 1 else "model"
+        args.compute = "real" if args.model in real and args.cp == 1 else "model"
     if cfg.n_head % tp:
         raise err(f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads")
     options.check_shape(
@@ -268,7 +272,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
             )
         if args.moe_top_k > E:
             raise err(f"--moe-top-k {args.moe_top_k} is more than --moe-experts {E}")
-        F = args.moe_ffn_hidden or 4 * cfg.n_embd
+        F = args.moe_ffn_hidden or cfg.mlp_hidden  # 4C (LLaMA's preset: its F)
         if F % tp:
             raise err(f"--moe-ffn-hidden {F} is not a multiple of --tp {tp}")
         moe = MoESpec(E, args.moe_top_k, args.capacity_factor, F, ep)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +44,43 @@ class GPT2Config:
 
     def with_layers(self, n_layer: int) -> GPT2Config:
         return replace(self, n_layer=n_layer)
+
+    # The architecture the shared transformer code reads: GPT's here; LLaMA's config
+    # (transformer/llama.py) overrides each one.
+    tied: ClassVar[bool] = True  # the LM head is wte (else its own "lm_head" tensor)
+    learned_pos: ClassVar[bool] = True  # a position embedding wpe (else rotary, no tensor)
+    biases: ClassVar[bool] = True  # layernorm biases and matmul biases
+    gated: ClassVar[bool] = False  # SwiGLU MLP (fc holds gate and up: 2F rows) else GELU
+    rmsnorm: ClassVar[bool] = False  # RMSNorm (keeps rstd only) else layernorm
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention shares each among n_head / kv_heads)."""
+        return self.n_head
+
+    @property
+    def kv_width(self) -> int:
+        """Width of k (and of v): kv_heads x head size."""
+        return self.kv_heads * (self.n_embd // self.n_head)
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output width of the fused qkv projection: q (C) then k and v."""
+        return self.n_embd + 2 * self.kv_width
+
+    @property
+    def mlp_hidden(self) -> int:
+        """F, the MLP's hidden width."""
+        return 4 * self.n_embd
+
+    @property
+    def mlp_mats(self) -> int:
+        """C x F matmuls of the MLP: fc, fcproj (and SwiGLU's gate)."""
+        return 3 if self.gated else 2
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One layer's tensors (dense MLP), in layout order."""
+        return layer_shapes(self.n_embd)
 
     def extra_sections(
         self, vocab_local: int, embed: bool, head: bool

@@ -62,6 +62,41 @@ def _heads(x: np.ndarray, NH: int) -> np.ndarray:
     return x.reshape(B, T, NH, C // NH).transpose(0, 2, 1, 3)
 
 
+# Grouped-query attention (LLaMA): KVH key/value heads, each shared by G = NH/KVH query
+# heads. The kernels below take KVH (None: NH) and then see q as (B,KVH,G,Tq,hs) and k, v
+# as (B,KVH,1,Tk,hs), so one kv head's scores broadcast over its G query heads; a kv
+# gradient sums its G heads' (_sum_groups). qkv is (B,Tq,(NH + 2 KVH) hs), kv (B,Tk,2 KVH hs).
+
+
+def _qg(qkv: np.ndarray, NH: int, KVH: int | None) -> np.ndarray:
+    """q as _q's (B,NH,Tq,hs), or grouped (B,KVH,G,Tq,hs)."""
+    if KVH is None or KVH == NH:
+        return _q(qkv, NH)
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * KVH)
+    return qkv[..., : NH * hs].reshape(B, T, KVH, NH // KVH, hs).transpose(0, 2, 3, 1, 4)
+
+
+def _kvg(kv: np.ndarray, NH: int, KVH: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """k, v as _kv's (B,NH,Tk,hs), or grouped (B,KVH,1,Tk,hs)."""
+    if KVH is None or KVH == NH:
+        return _kv(kv, NH)
+    B, T, W = kv.shape
+    k, v = kv.reshape(B, T, 2, KVH, 1, W // 2 // KVH).transpose(2, 0, 3, 4, 1, 5)
+    return k, v
+
+
+def _like_q(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """x (B,T,NH hs) (an output) as a view with q's head axes: (B,NH,T,hs) or grouped."""
+    B, T = x.shape[:2]
+    return np.moveaxis(x.reshape(B, T, *q.shape[1:-2], q.shape[-1]), 1, -2)
+
+
+def _sum_groups(x: np.ndarray) -> np.ndarray:
+    """A key/value gradient from every query head: summed over each kv head's group."""
+    return x.sum(axis=2, keepdims=True) if x.ndim == 5 else x
+
+
 def _mask(s: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> None:
     """Scores s (..., len(q_pos), len(k_pos)) get -inf where the key is after the query.
     Keys up to the first query's position are seen by every row: only the rest is touched."""
@@ -72,16 +107,15 @@ def _mask(s: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> None:
 
 def kv_pack(send: np.ndarray, qkv: np.ndarray) -> int:
     """send (B,Tl,2C) contiguous <- the k | v of qkv (B,Tl,3C): what a rank all-gathers or
-    sends round the ring. Returns the element count."""
-    C = qkv.shape[-1] // 3
-    send[...] = qkv[..., C:]
+    sends round the ring (GQA: the last 2 KVH hs of each row). Returns the element count."""
+    send[...] = qkv[..., qkv.shape[-1] - send.shape[-1] :]
     return send.size
 
 
 def kv_unpack_add(dqkv: np.ndarray, dkv: np.ndarray, fresh: bool = False) -> None:
     """dqkv's k | v part (B,Tl,2C of the 3C) += dkv (B,Tl,2C), this rank's tokens' summed
-    key/value gradients (fresh: written)."""
-    C = dqkv.shape[-1] // 3
+    key/value gradients (fresh: written). GQA: the last 2 KVH hs of each row."""
+    C = dqkv.shape[-1] - dkv.shape[-1]
     if fresh:
         dqkv[..., C:] = dkv
     else:
@@ -135,6 +169,7 @@ def allgather_forward(
     pos: np.ndarray,
     NH: int,
     block: int = BLOCK_Q,
+    KVH: int | None = None,
 ) -> None:
     """Causal attention of this rank's queries against all tokens' keys and values.
 
@@ -144,18 +179,19 @@ def allgather_forward(
     `block` rows, each against keys [0, its last position]: no key block past the causal
     frontier is computed."""
     B, Tl, _ = qkv.shape
-    q, (k, v) = _q(qkv, NH), _kv(kv, NH)
-    o = _heads(out, NH)
+    q, (k, v) = _qg(qkv, NH, KVH), _kvg(kv, NH, KVH)
+    o = _like_q(out, q)
+    heads = q.shape[1:-2]
     scale = 1.0 / math.sqrt(q.shape[-1])
     keys = np.arange(kv.shape[1])
     for a, b, n, off in _blocks(pos, B, NH, block):
-        s = att[off : off + B * NH * (b - a) * n].reshape(B, NH, b - a, n)
-        np.matmul(q[:, :, a:b] * scale, k[:, :, :n].swapaxes(-1, -2), out=s)
+        s = att[off : off + B * NH * (b - a) * n].reshape(B, *heads, b - a, n)
+        np.matmul(q[..., a:b, :] * scale, k[..., :n, :].swapaxes(-1, -2), out=s)
         _mask(s, pos[a:b], keys[:n])
         s -= s.max(axis=-1, keepdims=True)  # every query sees its own key: finite
         np.exp(s, out=s)
         s *= 1.0 / s.sum(axis=-1, keepdims=True)
-        np.matmul(s, v[:, :, :n], out=o[:, :, a:b])
+        np.matmul(s, v[..., :n, :], out=o[..., a:b, :])
 
 
 def allgather_backward(
@@ -169,6 +205,7 @@ def allgather_backward(
     NH: int,
     block: int = BLOCK_Q,
     fresh: bool = False,
+    KVH: int | None = None,
 ) -> None:
     """The backward of allgather_forward (same qkv, kv, att, pos, block), from dout (B,Tl,C).
 
@@ -177,24 +214,25 @@ def allgather_backward(
     zeros past its last query), partial: summed over the ranks by a reduce-scatter (take,
     then kv_unpack_add)."""
     B, Tl, _ = qkv.shape
-    q, (k, v) = _q(qkv, NH), _kv(kv, NH)
-    dq, (dk, dv) = _q(dqkv, NH), _kv(dkv, NH)
-    do = _heads(dout, NH)
+    q, (k, v) = _qg(qkv, NH, KVH), _kvg(kv, NH, KVH)
+    dq, (dk, dv) = _qg(dqkv, NH, KVH), _kvg(dkv, NH, KVH)
+    do = _like_q(dout, q)
+    heads = q.shape[1:-2]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if fresh:
         dkv[...] = 0.0  # blocks overlap in keys: they add
     for a, b, n, off in _blocks(pos, B, NH, block):
-        p = att[off : off + B * NH * (b - a) * n].reshape(B, NH, b - a, n)
-        dv[:, :, :n] += p.swapaxes(-1, -2) @ do[:, :, a:b]
-        ds = do[:, :, a:b] @ v[:, :, :n].swapaxes(-1, -2)  # dP (B,NH,b-a,n)
-        ds -= np.einsum("bhij,bhij->bhi", p, ds)[..., None]  # softmax backward; masked p = 0
+        p = att[off : off + B * NH * (b - a) * n].reshape(B, *heads, b - a, n)
+        dv[..., :n, :] += _sum_groups(p.swapaxes(-1, -2) @ do[..., a:b, :])
+        ds = do[..., a:b, :] @ v[..., :n, :].swapaxes(-1, -2)  # dP (B,NH,b-a,n)
+        ds -= np.einsum("...ij,...ij->...i", p, ds)[..., None]  # softmax backward; masked p = 0
         ds *= p
         if fresh:
-            np.matmul(ds, k[:, :, :n], out=dq[:, :, a:b])
-            dq[:, :, a:b] *= scale
+            np.matmul(ds, k[..., :n, :], out=dq[..., a:b, :])
+            dq[..., a:b, :] *= scale
         else:
-            dq[:, :, a:b] += (ds @ k[:, :, :n]) * scale
-        dk[:, :, :n] += ds.swapaxes(-1, -2) @ (q[:, :, a:b] * scale)
+            dq[..., a:b, :] += (ds @ k[..., :n, :]) * scale
+        dk[..., :n, :] += _sum_groups(ds.swapaxes(-1, -2) @ (q[..., a:b, :] * scale))
 
 
 # ----------------------------------------------------------------------------------------
@@ -217,6 +255,7 @@ def ring_forward_block(
     kv: np.ndarray,
     k_pos: np.ndarray,
     NH: int,
+    KVH: int | None = None,
 ) -> bool:
     """One ring step: this rank's queries (qkv (B,Tq,3C) at q_pos) against one kv block
     (kv (B,Tk,2C) at k_pos; both ascending).
@@ -231,17 +270,17 @@ def ring_forward_block(
     lse[:, :, :qa] = -np.inf
     if qa == len(q_pos) or kn == 0:
         return False
-    q, (k, v) = _q(qkv, NH), _kv(kv, NH)
+    q, (k, v) = _qg(qkv, NH, KVH), _kvg(kv, NH, KVH)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = (q[:, :, qa:] * scale) @ k[:, :, :kn].swapaxes(-1, -2)  # (B,NH,Tq-qa,kn)
+    s = (q[..., qa:, :] * scale) @ k[..., :kn, :].swapaxes(-1, -2)  # (B,NH,Tq-qa,kn)
     _mask(s, q_pos[qa:], k_pos[:kn])
     m = s.max(axis=-1, keepdims=True)  # query qa: sees the first key: finite
     s -= m
     np.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
     s /= total
-    np.matmul(s, v[:, :, :kn], out=_heads(out, NH)[:, :, qa:])
-    lse[:, :, qa:] = (m + np.log(total))[..., 0]
+    np.matmul(s, v[..., :kn, :], out=_like_q(out, q)[..., qa:, :])
+    lse.reshape(*q.shape[:-2], -1)[..., qa:] = (m + np.log(total))[..., 0]
     return True
 
 
@@ -279,6 +318,7 @@ def ring_backward_block(
     NH: int,
     dq_fresh: bool = False,
     fresh: bool = False,
+    KVH: int | None = None,
 ) -> None:
     """The backward of one ring step, given the merged (final) lse and delta (ring_delta):
     the block's softmax is recomputed as exp(scores - lse), nothing saved per block.
@@ -287,39 +327,51 @@ def ring_backward_block(
     untouched. dkv (B,Tk,2C): += the block's key/value gradient from these queries (fresh:
     written), sent on round the ring with the block to its owner."""
     qa, kn = _ring_range(q_pos, k_pos)
-    dq = _q(dqkv, NH)
+    dq = _qg(dqkv, NH, KVH)
     if dq_fresh:
         dq[...] = 0.0
     if fresh:
         dkv[...] = 0.0
     if qa == len(q_pos) or kn == 0:
         return
-    q, (k, v) = _q(qkv, NH), _kv(kv, NH)
-    dk, dv = _kv(dkv, NH)
-    do = _heads(dout, NH)[:, :, qa:]
+    q, (k, v) = _qg(qkv, NH, KVH), _kvg(kv, NH, KVH)
+    dk, dv = _kvg(dkv, NH, KVH)
+    do = _like_q(dout, q)[..., qa:, :]
+    heads = q.shape[:-2]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    qs = q[:, :, qa:] * scale
-    p = qs @ k[:, :, :kn].swapaxes(-1, -2)  # (B,NH,Tq-qa,kn)
+    qs = q[..., qa:, :] * scale
+    p = qs @ k[..., :kn, :].swapaxes(-1, -2)  # (B,NH,Tq-qa,kn)
     _mask(p, q_pos[qa:], k_pos[:kn])
-    p -= lse[:, :, qa:, None]
+    p -= lse.reshape(*heads, -1)[..., qa:, None]
     np.exp(p, out=p)  # the final softmax's columns of this block
-    dv[:, :, :kn] += p.swapaxes(-1, -2) @ do
-    ds = do @ v[:, :, :kn].swapaxes(-1, -2)  # dP
-    ds -= delta[:, :, qa:, None]
+    dv[..., :kn, :] += _sum_groups(p.swapaxes(-1, -2) @ do)
+    ds = do @ v[..., :kn, :].swapaxes(-1, -2)  # dP
+    ds -= delta.reshape(*heads, -1)[..., qa:, None]
     ds *= p
-    dq[:, :, qa:] += (ds @ k[:, :, :kn]) * scale
-    dk[:, :, :kn] += ds.swapaxes(-1, -2) @ qs
+    dq[..., qa:, :] += (ds @ k[..., :kn, :]) * scale
+    dk[..., :kn, :] += _sum_groups(ds.swapaxes(-1, -2) @ qs)
 
 
 # ----------------------------------------------------------------------------------------
 # Ulysses family
 
 
-def ulysses_pack(send: np.ndarray, x: np.ndarray, N: int, parts: int) -> int:
+def ulysses_pack(
+    send: np.ndarray, x: np.ndarray, N: int, parts: int, widths: tuple[int, ...] | None = None
+) -> int:
     """Sequence- to head-sharded, the send side: x (B,Tl,parts*C), this rank's tokens with
     all heads (parts = 3 for qkv, 1 for dout), -> send (N,B,Tl,parts*C/N) contiguous, block j
     (for rank j) = heads [j NH/N, (j+1) NH/N) of each part. The receiver places the blocks
-    in global order (place) into (B,T,parts*C/N): a qkv of NH/N heads. Count per peer."""
+    in global order (place) into (B,T,parts*C/N): a qkv of NH/N heads. Count per peer.
+    widths: the parts' unequal widths (GQA's qkv: NH hs, KVH hs, KVH hs), each split in N."""
+    if widths is not None:
+        B, Tl, _ = x.shape
+        blocks, lo, at = send.reshape(N, B, Tl, -1), 0, 0
+        for w in widths:
+            part = x[..., lo : lo + w].reshape(B, Tl, N, w // N).transpose(2, 0, 1, 3)
+            blocks[..., at : at + w // N] = part
+            lo, at = lo + w, at + w // N
+        return send[0].size
     B, Tl, W = x.shape
     C = W // parts
     send.reshape(N, B, Tl, parts, C // N)[...] = x.reshape(B, Tl, parts, N, C // N).transpose(
@@ -328,11 +380,20 @@ def ulysses_pack(send: np.ndarray, x: np.ndarray, N: int, parts: int) -> int:
     return send[0].size
 
 
-def ulysses_unpack(x: np.ndarray, recv: np.ndarray, parts: int) -> None:
+def ulysses_unpack(
+    x: np.ndarray, recv: np.ndarray, parts: int, widths: tuple[int, ...] | None = None
+) -> None:
     """Head- to sequence-sharded, the receive side: recv (N,B,Tl,parts*C/N), block j from
     rank j (its heads, this rank's tokens: take on the sender), -> x (B,Tl,parts*C) all
-    heads. The inverse of ulysses_pack (parts = 1 for out, 3 for dqkv)."""
+    heads. The inverse of ulysses_pack (parts = 1 for out, 3 for dqkv; widths as there)."""
     N, B, Tl, Wn = recv.shape
+    if widths is not None:
+        lo, at = 0, 0
+        for w in widths:
+            part = x[..., lo : lo + w].reshape(B, Tl, N, w // N)
+            part[...] = recv[..., at : at + w // N].transpose(1, 2, 0, 3)
+            lo, at = lo + w, at + w // N
+        return
     x.reshape(B, Tl, parts, N, Wn // parts)[...] = recv.reshape(
         N, B, Tl, parts, Wn // parts
     ).transpose(1, 2, 3, 0, 4)

@@ -57,7 +57,12 @@ class ContextParallelPieces:
         self.cp_pos = cpsplit.positions(S.cp_split, S.cp, S.T)
         self.pos = self.cp_pos[cp_rank]
         n, B, Tl, C, tp = S.cp, S.B, S.Tc, S.cfg.n_embd, S.tp
-        self.kvW = 2 * C // tp  # a token's k|v on this tp rank
+        self.kvW = 2 * S.cfg.kv_width // tp  # a token's k|v on this tp rank (GQA: KVH heads)
+        self.cp_kvh = S.cfg.kv_heads // tp  # key/value heads on this tp rank
+        self.cp_outw = C // tp // n  # Ulysses: a head shard's attention output per token
+        # Ulysses' qkv parts when k, v are narrower than q (GQA), else three equal ones
+        kvw = S.cfg.kv_width // tp
+        self.cp_widths = None if kvw == C // tp else (C // tp, kvw, kvw)
         kv = B * Tl * self.kvW
         z = np.zeros
         self._cpbuf: dict[str, np.ndarray] = {}
@@ -73,7 +78,7 @@ class ContextParallelPieces:
             self._pending: np.ndarray | None = None  # local dk|dv to add at the next send
             self._pending_first = False
         else:
-            self._cpbuf["cp_qkv"] = z(B * Tl * 3 * C // tp, self.dtype)
+            self._cpbuf["cp_qkv"] = z(B * Tl * S.cfg.qkv_rows // tp, self.dtype)
             self._cpbuf["cp_out"] = z(B * Tl * C // tp, self.dtype)
 
     # ------------------------------------------------------------------------------------
@@ -123,7 +128,7 @@ class ContextParallelPieces:
         """A layer's cp state: the gathered k|v (allgather), the kept block of r-1 and the
         log-sum-exp (ring), the head-sharded qkv of the whole sequence (alltoall)."""
         S, Tl = self.cpS, self.S.T
-        B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
+        B, T, tp = S.B, S.T, S.tp
         e = np.empty
         if S.cp_comm == "allgather":
             a.kv = e((B, T, self.kvW), self.dtype)
@@ -133,7 +138,7 @@ class ContextParallelPieces:
             a.lse = e((B, self.NHl, Tl), self.dtype)
             a.att = e(0, self.dtype)
         else:
-            a.kv = e((B, T, 3 * C // tp // S.cp), self.dtype)
+            a.kv = e((B, T, S.cfg.qkv_rows // tp // S.cp), self.dtype)
             a.att = e((B, self.NHl // S.cp, T, T), self.dtype)
 
     # ------------------------------------------------------------------------------------
@@ -164,6 +169,7 @@ class ContextParallelPieces:
                 ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[p + "ln_1.weight"], w[p + "ln_1.bias"]
             )
         self.k.matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
+        self._cp_rotate(a.qkv)
         comm = self.cpS.cp_comm
         if comm == "allgather":
             ck.kv_pack(self._blocks_of(self._cpbuf["cp_kv"])[self.cp_rank], a.qkv)
@@ -171,22 +177,25 @@ class ContextParallelPieces:
             ck.kv_pack(self._ring_kv(), a.qkv)
         else:
             W = a.qkv.shape[-1] // self.cp
-            ck.ulysses_pack(self._blocks_of(self._cpbuf["cp_qkv"], W), a.qkv, self.cp, 3)
+            blocks = self._blocks_of(self._cpbuf["cp_qkv"], W)
+            ck.ulysses_pack(blocks, a.qkv, self.cp, 3, self.cp_widths)
 
     def _cp_fwd_core(self, st: ChunkActs, ch: Chunk, mb: int, l: int, step: int) -> None:
         a, comm, NH = st.layers[l], self.cpS.cp_comm, self.NHl
         if comm == "allgather":
             ck.place(a.kv, self._blocks_of(self._cpbuf["cp_kv"]), self.cp_pos)
-            ck.allgather_forward(a.atty, a.att, a.qkv, a.kv, self.pos, NH)
+            ck.allgather_forward(a.atty, a.att, a.qkv, a.kv, self.pos, NH, KVH=self.cp_kvh)
         elif comm == "ring":
             src = (self.cp_rank - step) % self.cp
             kv, kpos = self._ring_kv(), self.cp_pos[src]
             if step == 0:
-                ck.ring_forward_block(a.atty, a.lse, a.qkv, self.pos, kv, kpos, NH)
+                ck.ring_forward_block(a.atty, a.lse, a.qkv, self.pos, kv, kpos, NH, KVH=self.cp_kvh)
             else:
                 out_b = self.scratch("cp_out_b", *a.atty.shape)
                 lse_b = self.scratch("cp_lse_b", *a.lse.shape)
-                if ck.ring_forward_block(out_b, lse_b, a.qkv, self.pos, kv, kpos, NH):
+                if ck.ring_forward_block(
+                    out_b, lse_b, a.qkv, self.pos, kv, kpos, NH, KVH=self.cp_kvh
+                ):
                     ck.ring_merge(a.atty, a.lse, out_b, lse_b)
                 if step == 1:
                     a.kv[...] = kv  # the block of r-1: the backward's first
@@ -195,9 +204,9 @@ class ContextParallelPieces:
             S, n = self.cpS, self.cp
             W = a.kv.shape[-1]
             ck.place(a.kv, self._blocks_of(self._cpbuf["cp_qkv"], W), self.cp_pos)
-            y = self.scratch("cp_y", S.B, S.T, W // 3)
+            y = self.scratch("cp_y", S.B, S.T, self.cp_outw)
             self.k.attention_forward(y, a.att, a.kv, NH // n)
-            ck.take(self._blocks_of(self._cpbuf["cp_out"], W // 3), y, self.cp_pos)
+            ck.take(self._blocks_of(self._cpbuf["cp_out"], self.cp_outw), y, self.cp_pos)
 
     def _cp_fwd_proj(self, st: ChunkActs, ch: Chunk, mb: int, l: int, step: int) -> None:
         """The output projection (row-parallel: a partial sum for the TP reduction)."""
@@ -243,7 +252,9 @@ class ContextParallelPieces:
         dqkv = self.scratch("dqkv", *a.qkv.shape)
         if comm == "allgather":
             dkv = self.scratch("cp_dkv_all", *a.kv.shape)
-            ck.allgather_backward(dqkv, dkv, datty, a.qkv, a.kv, a.att, self.pos, NH, fresh=True)
+            ck.allgather_backward(
+                dqkv, dkv, datty, a.qkv, a.kv, a.att, self.pos, NH, fresh=True, KVH=self.cp_kvh
+            )
             ck.take(self._blocks_of(self._cpbuf["cp_dkv"]), dkv, self.cp_pos)
             self._next_root = 0
         elif comm == "ring":
@@ -254,17 +265,17 @@ class ContextParallelPieces:
                 local = self.scratch("cp_dkv_local", *kv.shape)
                 self._pending, self._pending_first = local, step == 0
             else:  # this rank's own block, last
-                src, kv = r, np.ascontiguousarray(a.qkv[..., a.qkv.shape[-1] // 3 :])
+                src, kv = r, np.ascontiguousarray(a.qkv[..., a.qkv.shape[-1] - self.kvW :])
                 local = self.scratch("cp_dkv_own", *kv.shape)
             ck.ring_backward_block(
                 dqkv, local, datty, a.qkv, self.pos, kv, self.cp_pos[src], a.lse, delta, NH,
-                dq_fresh=step == 0, fresh=True,
+                dq_fresh=step == 0, fresh=True, KVH=self.cp_kvh,
             )  # fmt: skip
             self._cur = 1 - self._cur
         else:
             W = a.kv.shape[-1]
-            dy = self.scratch("cp_y", S.B, S.T, W // 3)
-            ck.place(dy, self._blocks_of(self._cpbuf["cp_out"], W // 3), self.cp_pos)
+            dy = self.scratch("cp_y", S.B, S.T, self.cp_outw)
+            ck.place(dy, self._blocks_of(self._cpbuf["cp_out"], self.cp_outw), self.cp_pos)
             dfull = self.scratch("cp_dqkv_full", *a.kv.shape)
             self.k.attention_backward(dfull, dy, a.kv, a.att, NH // self.cp, fresh=True)
             ck.take(self._blocks_of(self._cpbuf["cp_qkv"], W), dfull, self.cp_pos)
@@ -282,7 +293,15 @@ class ContextParallelPieces:
             ck.kv_unpack_add(dqkv, self._ring_acc(dqkv.shape[:2]))
         else:
             W = dqkv.shape[-1] // self.cp
-            ck.ulysses_unpack(dqkv, self._blocks_of(self._cpbuf["cp_qkv"], W), 3)
+            ck.ulysses_unpack(dqkv, self._blocks_of(self._cpbuf["cp_qkv"], W), 3, self.cp_widths)
+        self._cp_rotate_back(dqkv)
+
+    def _cp_rotate(self, qkv: np.ndarray) -> None:
+        """Rotary embeddings on this rank's q and k at their true positions (LLaMA's shard,
+        llama_model.py); GPT's position embedding is added at the input: nothing here."""
+
+    def _cp_rotate_back(self, dqkv: np.ndarray) -> None:
+        """The rotation's backward on the complete dq and dk (LLaMA's shard)."""
 
     def _ring_acc(self, shape: tuple[int, int]) -> np.ndarray:
         """The accumulator the last backward exchange brought: the other ranks' dk|dv of

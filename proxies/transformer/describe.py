@@ -29,6 +29,8 @@ def cp_text(S: Setup) -> str:
     """The messages line's context-parallel part: what each layer exchanges over cp."""
     C, n = S.cfg.n_embd // S.tp, S.cp
     kv = S.B * S.Tc * 2 * C  # one rank's keys and values
+    if S.cfg.kv_width != S.cfg.n_embd:  # grouped-query attention: KVH heads of k and v
+        kv = S.B * S.Tc * 2 * S.cfg.kv_width // S.tp
     if S.cp_comm == "allgather":
         red = {
             "allreduce": "allreduce",
@@ -41,7 +43,8 @@ def cp_text(S: Setup) -> str:
         )
     if S.cp_comm == "ring":
         return f" · cp ring {n - 1} x {kv:,} floats forward, {n} steps of k,v and dk,dv backward"
-    return f" · cp all-to-all {S.Nc * 3 * C:,} (qkv) and {S.Nc * C:,} (out) floats per layer"
+    qkv = S.Nc * S.cfg.qkv_rows // S.tp  # 3C/tp without grouped-query attention
+    return f" · cp all-to-all {qkv:,} (qkv) and {S.Nc * C:,} (out) floats per layer"
 
 
 def data_text(args: Namespace, source) -> str:

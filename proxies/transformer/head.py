@@ -20,6 +20,8 @@ from proxies.transformer.state import ChunkActs
 class HeadPieces:
     """Mixed into StageShard: uses its parameters, gradients, buffers and kernels (self.k)."""
 
+    HEAD = "wte"  # the LM head's weight: the tied embedding (LLaMA's shard: "lm_head")
+
     def _fwd_embed(self, st: ChunkActs, ch: Chunk, mb: int) -> None:
         """Partial token embedding from this rank's vocabulary rows, for the allreduce."""
         tokens, _ = self.batch(mb)
@@ -57,7 +59,7 @@ class HeadPieces:
         stats = self.ce_buf.reshape(S.tp, 3, S.N)[self.r]
         mx, se, tl = stats
         tl.fill(0)
-        W = self.w["wte"][: self.valid]
+        W = self.w[self.HEAD][: self.valid]
         for i, n, logits in self._logit_chunks(x, W, st.probs):
 
             def stats_of(lo: int, hi: int, i: int = i, logits: np.ndarray = logits) -> None:
@@ -118,11 +120,11 @@ class HeadPieces:
         t = st.targets.reshape(-1) - self.lo
         lse = st.lse.reshape(-1)
         out = self._partial_out().reshape(-1, C)
-        W, dW = self.w["wte"][: self.valid], self.g["wte"][: self.valid]
+        W, dW = self.w[self.HEAD][: self.valid], self.g[self.HEAD][: self.valid]
         scale = float(st.loss_scale) / S.N
-        fresh = self._fresh("wte")
+        fresh = self._fresh(self.HEAD)
         if fresh:  # padding rows get no gradient
-            self.g["wte"][self.valid :] = 0
+            self.g[self.HEAD][self.valid :] = 0
         kept = st.probs is not None
         # softmax = exp(logits - mx) * exp(mx - lse): from the kept probabilities, no matmul
         chunks = [(0, S.N, st.probs)] if kept else self._logit_chunks(x, W)

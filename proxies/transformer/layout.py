@@ -41,12 +41,20 @@ def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return shape  # replicated: layernorms, row-parallel biases, the MoE gate
 
 
-def shard(name: str, full: np.ndarray, tp: int, r: int) -> np.ndarray:
-    """Rank r's shard of a full tensor. qkv rows are [q; k; v], each split by heads."""
-    if name.endswith(("c_attn.weight", "c_attn.bias")):
-        C = full.shape[0] // 3
-        w = C // tp
-        return np.concatenate([full[i * C + r * w : i * C + (r + 1) * w] for i in range(3)])
+def shard(
+    name: str, full: np.ndarray, tp: int, r: int, parts: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """Rank r's shard of a full tensor. qkv rows are [q; k; v], each split by heads (`parts`:
+    the blocks' rows, default three equal; GQA's k and v are narrower than q); a SwiGLU fc
+    is [gate; up], parts (F, F), each split likewise."""
+    if parts is not None or name.endswith(("c_attn.weight", "c_attn.bias")):
+        parts = parts or (full.shape[0] // 3,) * 3
+        out, lo = [], 0
+        for rows in parts:
+            w = rows // tp
+            out.append(full[lo + r * w : lo + (r + 1) * w])
+            lo += rows
+        return np.concatenate(out)
     if name.endswith(("c_fc.weight", "c_fc.bias")):
         w = full.shape[0] // tp
         return full[r * w : (r + 1) * w]
@@ -61,15 +69,19 @@ def layer_tensors(S: Setup) -> tuple[list[tuple[str, tuple]], list[tuple[str, tu
     prefix. Dense ones are reduced over the data-parallel group, expert ones over the
     expert-data-parallel group."""
     C, tp, moe = S.cfg.n_embd, S.tp, S.moe
-    full = layer_shapes(C)
-    names = ATTN_TENSORS if moe else LAYER_TENSORS
+    full = S.cfg.tensor_shapes()
+    names = [n for n in full if not n.startswith("mlp.")] if moe else list(full)
     dense = [(n, shard_shape(n, full[n], tp)) for n in names]
     expert: list[tuple[str, tuple]] = []
     if moe:
         dense.append(("moe.gate.weight", (moe.experts, C)))
         F = moe.ffn_hidden // tp
+        Ffc = 2 * F if S.cfg.gated else F  # SwiGLU experts: [gate; up]
         for e in range(moe.local_experts):
-            expert += [(f"experts.{e}.c_fc.weight", (F, C)), (f"experts.{e}.c_proj.weight", (C, F))]
+            expert += [
+                (f"experts.{e}.c_fc.weight", (Ffc, C)),
+                (f"experts.{e}.c_proj.weight", (C, F)),
+            ]
     return dense, expert
 
 
@@ -98,6 +110,10 @@ class Layout:
     (config.stage_layout, whose offsets its plans name), and its extras then make two units:
     wte and wpe (layer -1), ln_f (layer -2). `units` lists each chunk's units in the order
     its backward completes them.
+
+    An untied LM head (LLaMA) gives the embedding chunk wte and the head chunk ln_f and
+    lm_head: a run of extras after the layers completes first in the backward (layer -2),
+    one before them last (layer -1).
     """
 
     def __init__(self, S: Setup, stage: int) -> None:
@@ -114,22 +130,36 @@ class Layout:
         dense_layer, expert_layer = layer_tensors(S)
         embed = any(c.embed for c in self.chunks)
         head = any(c.head for c in self.chunks)
+        cfg = S.cfg
         sections = {
             "wte": [("wte", (S.vocab // S.tp, C))],
-            "wpe": [("wpe", (S.cfg.max_seq_len, C))] if embed else [],
-            "ln_f": [("ln_f.weight", (C,)), ("ln_f.bias", (C,))] if head else [],
+            "wpe": [("wpe", (cfg.max_seq_len, C))] if embed and cfg.learned_pos else [],
+            "ln_f": [("ln_f.weight", (C,))] + ([("ln_f.bias", (C,))] if cfg.biases else [])
+            if head
+            else [],
         }
         sections |= S.cfg.extra_sections(S.vocab // S.tp, embed, head)
+        holder = dict.fromkeys(sections, owner)
+        if not cfg.tied:  # the LM head's own tensor sits with ln_f on the head chunk
+            sections["ln_f"] += [("lm_head", (S.vocab // S.tp, C))] if head else []
+            holder |= {
+                "wte": next((ch for ch in self.chunks if ch.embed), None),
+                "wpe": None,
+                "ln_f": next((ch for ch in self.chunks if ch.head), None),
+            }
         for ch in self.chunks:
             layers: list[Unit] = []
             e0 = self.e  # the extras hold no expert tensors: an empty range at the chunk's start
             extras: list[tuple[int, int]] = []  # runs of consecutive extra tensors
+            passed = False  # the layers' section is behind: runs now come after them
+            first_after = None  # index in extras of the first run after the layers
             for section in S.param_order:
                 if section == "layers":
                     layers = [
                         self._layer(ch.index, l, dense_layer, expert_layer) for l in ch.layers
                     ]
-                elif ch is owner and sections[section]:
+                    passed = True
+                elif ch is holder[section] and sections[section]:
                     start = self.d
                     for name, shape in sections[section]:
                         self._extra(name, shape)
@@ -137,11 +167,15 @@ class Layout:
                         extras[-1] = (extras[-1][0], self.d)
                     else:
                         extras.append((start, self.d))
+                        if passed and first_after is None:
+                            first_after = len(extras) - 1
             units = layers[::-1]  # backward completes the top layer first
-            if len(extras) == 2:  # GPT-2's order: ln_f completes in the head's backward
-                units.insert(0, Unit(ch.index, -2, extras[1], (e0, e0)))
-            if extras:
-                units.append(Unit(ch.index, -1, extras[0], (e0, e0)))
+            before = extras if first_after is None else extras[:first_after]
+            if first_after is not None:
+                # GPT-2's order: ln_f completes in the head's backward (LLaMA's: with lm_head)
+                units.insert(0, Unit(ch.index, -2, extras[first_after], (e0, e0)))
+            if before:
+                units.append(Unit(ch.index, -1, before[0], (e0, e0)))
             self.units += units
         self.dense_size, self.expert_size = self.d, self.e
         self.sp_size = sum(b - a for a, b in self.sp_ranges)

@@ -42,12 +42,13 @@ def saved_state(S: Setup, ch: Chunk) -> int:
     the sequence-shard (B,Ts,*: ln1, res2, ln2, res3 and 4 statistics) and full-sequence
     (B,T,*/tp: qkv, atty, and fch, fch_gelu of a dense MLP) tensors, the local heads'
     softmax, the head's statistics, and its kept probabilities and max (N, V/tp + 1)."""
-    B, T, Ts, C, tp = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp
-    layer = B * (4 * Ts * C + 4 * Ts + T * 3 * C // tp + T * C // tp)
+    B, T, Ts, C, tp, cfg = S.B, S.T, S.Ts, S.cfg.n_embd, S.tp, S.cfg
+    stats = 1 if cfg.rmsnorm else 2  # per norm and token: rstd (and mean)
+    layer = B * (4 * Ts * C + 2 * stats * Ts + T * cfg.qkv_rows // tp + T * C // tp)
     layer += B * (S.cfg.n_head // tp) * T * T
-    if not S.moe:
-        layer += 2 * B * T * 4 * C // tp
-    head = B * (Ts * C + 2 * Ts + T) if ch.head else 0
+    if not S.moe:  # fch and its activation: 4C/tp each, or SwiGLU's 2F/tp and F/tp
+        layer += B * T * cfg.mlp_mats * cfg.mlp_hidden // tp
+    head = B * (Ts * C + stats * Ts + T) if ch.head else 0
     if ch.head and keeps_logits(S):
         head += S.N * (S.vocab // tp + 1)
     return F32 * (2 * B * Ts * C + len(ch.layers) * layer + head)
@@ -56,13 +57,10 @@ def saved_state(S: Setup, ch: Chunk) -> int:
 def weight_temps(S: Setup, head: bool) -> int:
     """Elements of the kernels' kept weight-gradient temporaries (fast.dw_temp_elems): one
     per weight shard shape."""
-    C, tp = S.cfg.n_embd, S.tp
-    shapes = {(3 * C // tp, C), (C, C // tp)}
-    if S.moe:
-        F = S.moe.ffn_hidden // tp
-        shapes |= {(F, C), (C, F)}
-    else:
-        shapes |= {(4 * C // tp, C), (C, 4 * C // tp)}
+    C, tp, cfg = S.cfg.n_embd, S.tp, S.cfg
+    shapes = {(cfg.qkv_rows // tp, C), (C, C // tp)}
+    F = (S.moe.ffn_hidden if S.moe else cfg.mlp_hidden) // tp
+    shapes |= {(2 * F if cfg.gated else F, C), (C, F)}  # fc (SwiGLU: [gate; up]), fcproj
     if head:
         shapes.add((S.vocab // tp, C))
     return sum(fast.dw_temp_elems(shape) for shape in shapes)
@@ -84,15 +82,18 @@ def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
     the (B, NH/tp, T/cp, T/cp) softmax; the backward's score gradient likewise; the cp
     buffers). Sized for the largest rank's (the contiguous split's last)."""
     B, T, n, C, tp = S.B, S.T, S.cp, S.cfg.n_embd, S.tp
-    Tl, NHl, kv = S.Tc, S.cfg.n_head // tp, B * S.Tc * 2 * C // tp
+    # a token's k|v: 2C/tp, GQA's 2 KVH hs / tp
+    Tl, NHl, kvw = S.Tc, S.cfg.n_head // tp, 2 * S.cfg.kv_width // tp
+    kv = B * Tl * kvw
     if S.cp_comm == "allgather":
         att = max(cp_kernels.att_size(p, B, NHl) for p in cpsplit.positions(S.cp_split, n, T))
         scores = B * NHl * cp_kernels.BLOCK_Q * T  # one block's (dP) at a time
-        return B * T * 2 * C // tp + att, scores + B * T * 2 * C // tp, 2 * n * kv
+        return B * T * kvw + att, scores + B * T * kvw, 2 * n * kv
     if S.cp_comm == "ring":
         return kv + B * NHl * Tl, B * NHl * Tl * Tl + 2 * kv + 2 * B * Tl * C // tp, 4 * kv
-    att = B * (NHl // n) * T * T + B * T * 3 * C // tp // n
-    return att, B * (NHl // n) * T * T + B * T * 4 * C // tp // n, B * Tl * 4 * C // tp
+    W = S.cfg.qkv_rows  # 3C; GQA's (NH + 2 KVH) hs
+    att = B * (NHl // n) * T * T + B * T * W // tp // n
+    return att, B * (NHl // n) * T * T + B * T * (W + C) // tp // n, B * Tl * (W + C) // tp
 
 
 def real_parts(S: Setup, stage: int, dp_rank: int = 0, plan: Plan | None = None) -> dict[str, int]:
@@ -121,7 +122,9 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0, plan: Plan | None = None)
     B, T, C, tp = S.B, S.T, S.cfg.n_embd, S.tp
     # backward scratch (dfch, dfch_gelu, datty, dqkv, partial), the attention backward's
     # score gradient (B, NH/tp, T, T), and the head's logit chunk when it does not keep them
-    work = B * T * (8 * C // tp + C // tp + 3 * C // tp + (C if S.sp else 0))
+    cfg = S.cfg
+    mlp = cfg.mlp_mats * cfg.mlp_hidden // tp  # 8C/tp; SwiGLU's d[gate; up] and dact 3F/tp
+    work = B * T * (mlp + C // tp + cfg.qkv_rows // tp + (C if S.sp else 0))
     work += B * (S.cfg.n_head // tp) * T * T
     if any(ch.head for ch in chunks) and not keeps_logits(S):
         rows = max(1, min(S.N, CLASSIFIER_CHUNK // max(1, S.vocab // tp)))

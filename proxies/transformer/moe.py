@@ -75,16 +75,17 @@ class MoEPieces:
 
     def _fwd_expert(self, st, ch: Chunk, mb: int, l: int) -> None:
         """Every local expert on the tokens every source rank sent it."""
-        S, moe, C = self.S, self.S.moe, self.S.cfg.n_embd
+        moe, C = self.S.moe, self.S.cfg.n_embd
         a, w = st.layers[l], self.w
         buf = self._expert_tokens()
         a.ex = []
         for e in range(moe.local_experts):
             p = f"h.{l}.experts.{e}."
             x = buf[:, e].reshape(-1, C).copy()
-            fch = np.empty((x.shape[0], moe.ffn_hidden // S.tp), dtype=self.dtype)
+            # widths from the weights: F/tp, or SwiGLU's [gate; up] 2F/tp into F/tp (LLaMA)
+            fch = np.empty((x.shape[0], w[p + "c_fc.weight"].shape[0]), dtype=self.dtype)
             self.k.matmul_forward(fch, x, w[p + "c_fc.weight"], None)
-            gel = np.empty_like(fch)
+            gel = np.empty((x.shape[0], w[p + "c_proj.weight"].shape[1]), dtype=self.dtype)
             self.k.gelu_forward(gel, fch)
             out = np.empty_like(x)
             self.k.matmul_forward(out, gel, w[p + "c_proj.weight"], None)  # partial over TP

@@ -52,6 +52,8 @@ class Pieces:
         # qkv's backward (2 x 6BTC^2) after it, proj's and attention's before; fc's
         # (2 x 8BTC^2, half the MLP's backward) after it, fcproj's and GELU's before.
         self.f_qkv_bwd = 12.0 * S.B * S.T * C * C / tp
+        if cfg.qkv_rows != 3 * C:  # GQA: k and v narrower than q
+            self.f_qkv_bwd = 4.0 * S.B * S.T * C * cfg.qkv_rows / tp
         self.f_head = 2.0 * N * C * S.vocab / tp
         if S.moe:
             moe = S.moe
@@ -60,6 +62,8 @@ class Pieces:
             # tokens an expert gets: cap from each ep rank (and, SP, each tp rank's shard)
             sources = tp if S.sp else 1
             self.f_expert = 4.0 * moe.experts * cap * sources * C * moe.ffn_hidden / tp
+            if cfg.gated:  # SwiGLU experts: gate, up and down
+                self.f_expert = 6.0 * moe.experts * cap * sources * C * moe.ffn_hidden / tp
             self.moe_count = moe.experts * cap * C  # one rank's dispatch buffer (E, cap, C)
         self.tp_count = N * C
         if S.cp > 1:
@@ -75,11 +79,16 @@ class Pieces:
         self.f_qkv, self.f_proj = 6.0 * Nc * C * C / tp, 2.0 * Nc * C * C / tp
         self.f_core = 4.0 * S.B * S.T * S.T * C / tp
         self.f_mlp = 16.0 * Nc * C * C / tp
+        cfg = S.cfg
+        if cfg.gated or cfg.qkv_rows != 3 * C:  # LLaMA: GQA's qkv, SwiGLU's three matmuls
+            self.f_qkv = 2.0 * Nc * C * cfg.qkv_rows / tp
+            self.f_mlp = 2.0 * cfg.mlp_mats * Nc * C * cfg.mlp_hidden / tp
         self.f_qkv_bwd = 2 * self.f_qkv
         self.f_head = 2.0 * Nc * C * S.vocab / tp
         self.shares = cpmod.work_shares(S.T, S.cp, S.cp_split)
         self.tp_count = Nc * C
-        self.kv = S.B * S.Tc * 2 * C // tp  # one rank's keys and values (B, T/cp, 2C/tp)
+        # one rank's keys and values (B, T/cp, 2 KVH hs / tp): 2C/tp without GQA
+        self.kv = S.B * S.Tc * 2 * S.cfg.kv_width // tp
 
     # -- context parallelism: the attention core and what it exchanges over cp ----------
 
@@ -107,10 +116,10 @@ class Pieces:
             # Ulysses: (B, T/n, 3C/tp) sequence shards -> (B, T, 3C/(tp n)) head shards and
             # the core's output back; every rank then has all T tokens of its heads, so the
             # causal work is the same on every rank whatever the split.
-            C = S.cfg.n_embd // S.tp
+            C, W = S.cfg.n_embd // S.tp, S.cfg.qkv_rows // S.tp
             return [
                 qkv,
-                Collective("alltoall", "cp", "cp_qkv", S.Nc * 3 * C, category="cp_alltoall"),
+                Collective("alltoall", "cp", "cp_qkv", S.Nc * W, category="cp_alltoall"),
                 Piece(f"fwd_core:{l}", self.f_core / n),
                 Collective("alltoall", "cp", "cp_out", S.Nc * C, category="cp_alltoall"),
                 proj,
@@ -154,11 +163,11 @@ class Pieces:
                 for i in cpmod.reduce_groups(n, S.cp_split, r)
             ]
         if S.cp_comm == "alltoall":
-            C = S.cfg.n_embd // S.tp
+            C, W = S.cfg.n_embd // S.tp, S.cfg.qkv_rows // S.tp
             return items + [
                 Collective("alltoall", "cp", "cp_out", S.Nc * C, category="cp_alltoall"),
                 Piece(f"bwd_core:{l}", 2 * self.f_core / n),
-                Collective("alltoall", "cp", "cp_qkv", S.Nc * 3 * C, category="cp_alltoall"),
+                Collective("alltoall", "cp", "cp_qkv", S.Nc * W, category="cp_alltoall"),
             ]
         # ring, as TransformerEngine's AttnFuncWithCPAndKVP2P.backward: n exchanges, the
         # first the key/value block only, the last the key/value gradient accumulator only,
@@ -287,10 +296,12 @@ class Pieces:
             items += [Piece("bwd_head", 2 * self.f_head, ())]
             items += self._tp("reduce_scatter") if sp else self._ar()
             if sp:
-                items += [Piece("bwd_lnf", 0.0, ())] + top_ag
+                items += [Piece("bwd_lnf", 0.0, self._head_unit(ch))] + top_ag
         elif sp:
             items += [Piece("bwd_start", 0.0, ())] + top_ag
-        done: tuple[int, ...] = ()  # layers finished by the next compute piece
+        # layers finished by the next compute piece (an untied head's ln_f and lm_head: the
+        # top layer's first piece runs ln_f's backward)
+        done: tuple[int, ...] = () if sp else self._head_unit(ch)
         for l in reversed(ch.layers):
             if sp:
                 items += self._sp_layer_backward(ch, l, place)
@@ -320,6 +331,11 @@ class Pieces:
         else:
             items += [Piece("bwd_end", 0.0, (*done, -1))]
         return items
+
+    def _head_unit(self, ch) -> tuple[int, ...]:
+        """(-2,): the unit of an untied LM head (ln_f, lm_head; layout.Layout) on the head
+        chunk, complete once ln_f's backward ran; GPT's extras complete at the chunk's end."""
+        return (-2,) if ch.head and not self.S.cfg.tied else ()
 
     def ops(self, kind: str, ch, mb: int, place: CPPlace = None) -> tuple[Op, ...]:
         key = (kind, ch.vstage, mb, place)
@@ -411,7 +427,7 @@ def groups(S: Setup, grid: ProcessGrid, rank: int) -> dict[str, tuple[int, ...]]
         if S.cp_comm == "allgather" and S.cp_reduce == "reduce":
             for i in cpmod.reduce_groups(S.cp, S.cp_split, c["cp"]):
                 out[f"cp_r{i}"] = tuple(cp[j] for j in cpmod.reduce_group(S.cp, S.cp_split, i))
-    if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only:
+    if S.pp > 1 and c["pp"] in (0, S.pp - 1) and not S.layers_only and S.cfg.tied:
         out["embed"] = (pp_ranks[0], pp_ranks[-1])
     return out
 

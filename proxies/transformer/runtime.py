@@ -118,6 +118,9 @@ class Runtime:
         if mode in ("real", "replay"):
             from proxies.transformer.model import StageShard
 
+            if S.cfg.gated:  # LLaMA's layer (llama_model.py)
+                from proxies.transformer.llama_model import LlamaShard as StageShard
+
             cp_rank = plan.coords.get("cp", 0)
             self.model = (self.Shard or StageShard)(
                 S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank

@@ -60,8 +60,12 @@ CPP_BWD_US = 31830
 def layer_flops(cfg: GPT3Config, B: int, T: int) -> tuple[float, float]:
     """Forward FLOPs of one whole layer for one micro-batch, as (attention, MLP): 2 per
     multiply-add. Attention: qkv 6BTC^2 + proj 2BTC^2 + QK^T and AV 4BT^2C (the causal
-    mask not discounted); MLP: fc and fcproj 16BTC^2. Backward is twice each."""
+    mask not discounted); MLP: fc and fcproj 16BTC^2. Backward is twice each.
+    LLaMA's (transformer/llama.py): qkv 2BTC(C + 2 KVH hs), the SwiGLU MLP 6BTCF."""
     C = cfg.n_embd
+    if cfg.gated or cfg.qkv_rows != 3 * C:
+        attn = 2.0 * B * T * C * (cfg.qkv_rows + C) + 4.0 * B * T * T * C
+        return attn, 2.0 * cfg.mlp_mats * B * T * C * cfg.mlp_hidden
     return 8.0 * B * T * C * C + 4.0 * B * T * T * C, 16.0 * B * T * C * C
 
 

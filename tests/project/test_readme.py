@@ -38,6 +38,7 @@ SECTIONS = (
     "Performance of the real compute",
     "GPT-3 proxy",
     "BERT proxy",
+    "LLaMA and Mixtral proxy",
     "CosmoFlow proxy",
     "DLRM proxy",
     "Allreduce algorithms",

@@ -1,0 +1,3 @@
+from proxies.llama.proxy import entry
+
+entry()
