@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     from proxies.core.report import Categories
 
 PROXIES: dict[str, ProxySpec] = {
-    s.name: s
-    for s in (gpt2.SPEC, gpt3.SPEC, llama.SPEC, bert.SPEC, cosmoflow.SPEC, dlrm.SPEC)
+    s.name: s for s in (gpt2.SPEC, gpt3.SPEC, llama.SPEC, bert.SPEC, cosmoflow.SPEC, dlrm.SPEC)
 }
 
 # Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of
