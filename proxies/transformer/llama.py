@@ -82,16 +82,28 @@ class LlamaConfig(GPT3Config):
 PRESETS: dict[str, LlamaConfig] = {
     c.name: c
     for c in (
-        # Meta Llama 3: (L, C, NH, KVH, F, V), context 8192, rope theta 500,000.
-        LlamaConfig("llama3-8b", 32, 4096, 32, 128256, 8192, 8, 14336),
-        LlamaConfig("llama3-70b", 80, 8192, 64, 128256, 8192, 8, 28672),
+        # Meta Llama 3: (L, C, NH, V, context 8192), KVH, F; rope theta 500,000. Keywords past the
+        # context: GPT2Config fields (causal) come first in the positional order.
+        LlamaConfig("llama3-8b", 32, 4096, 32, 128256, 8192, n_kv_head=8, ffn_dim=14336),
+        LlamaConfig("llama3-70b", 80, 8192, 64, 128256, 8192, n_kv_head=8, ffn_dim=28672),
         # Mixtral 8x7B: 8 experts of F 14336, top-2, context 32768, rope theta 1e6.
         LlamaConfig(
-            "mixtral-8x7b", 32, 4096, 32, 32000, 32768, 8, 14336, rope_theta=1e6, experts=8
+            "mixtral-8x7b",
+            32,
+            4096,
+            32,
+            32000,
+            32768,
+            n_kv_head=8,
+            ffn_dim=14336,
+            rope_theta=1e6,
+            experts=8,
         ),
         # Tests: the real structure at small widths, 4 heads sharing 2 kv heads.
-        LlamaConfig("llama-tiny", 4, 64, 4, 256, 128, 2, 160),
-        LlamaConfig("mixtral-tiny", 4, 64, 4, 256, 128, 2, 96, rope_theta=1e6, experts=4),
+        LlamaConfig("llama-tiny", 4, 64, 4, 256, 128, n_kv_head=2, ffn_dim=160),
+        LlamaConfig(
+            "mixtral-tiny", 4, 64, 4, 256, 128, n_kv_head=2, ffn_dim=96, rope_theta=1e6, experts=4
+        ),
     )
 }
 DEFAULT_MODEL = "llama3-8b"

@@ -73,8 +73,10 @@ class LlamaKernels:
             qkv[..., nq : nq + nk].reshape(B, T, self.KVHl, hs),
         )
 
-    def attention_forward(self, out, att, qkv, NH: int) -> None:
-        """RoPE on q and k in place (the saved qkv holds them rotated), then GQA."""
+    def attention_forward(self, out, att, qkv, NH: int, causal: bool = True) -> None:
+        """RoPE on q and k in place (the saved qkv holds them rotated), then GQA (causal:
+        LLaMA is a decoder; the keyword is the shared shard's call)."""
+        assert causal, "LLaMA's attention is causal"
         if self.rotate:
             for x in self._qk(qkv):
                 lk.rope_forward(x, self.cos, self.sin)
