@@ -61,8 +61,12 @@ def conv2d_backward(dout: np.ndarray, w: np.ndarray, dw: np.ndarray, cache, need
     cols, (B, C, H, W), stride, pad = cache
     Co, _, kh, kw = w.shape
     d2 = dout.reshape(B, Co, -1)
-    # sum over the batch of dout_b @ cols_b^T as one matmul: (Co, B*P) @ (B*P, C*kh*kw)
-    dw += np.tensordot(d2, cols, axes=([0, 2], [0, 2])).reshape(dw.shape)
+    # the sum over the batch of dout_b @ cols_b^T: one matmul per image (a loop over the
+    # batch, never over pixels) reads cols in place; one big matmul would copy it transposed
+    dw2 = dw.view()
+    dw2.shape = (Co, -1)  # raises rather than accumulate into a copy
+    for b in range(B):
+        dw2 += d2[b] @ cols[b].T
     if not need_dx:
         return None
     dcols = np.matmul(w.reshape(Co, -1).T, d2)  # (B, C*kh*kw, Ho*Wo)
@@ -107,12 +111,15 @@ def batchnorm_forward(
     PyTorch's: the unbiased variance, weight `momentum`."""
     B, C, H, W = x.shape
     n = B * H * W
-    mean = x.mean(axis=(0, 2, 3))
-    xc = x - mean[None, :, None, None]
-    var = np.einsum("bchw,bchw->c", xc, xc) / n
-    invstd = 1.0 / np.sqrt(var + eps)
-    xhat = xc * invstd[None, :, None, None]
-    y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
+    x3 = x.reshape(B, C, H * W)
+    mean = np.einsum("bcp->c", x3) / n
+    # in place from here: these arrays are large and each new one costs page faults
+    xhat = x - mean[None, :, None, None]
+    var = np.einsum("bchw,bchw->c", xhat, xhat) / n
+    invstd = (1.0 / np.sqrt(var + eps)).astype(x.dtype, copy=False)
+    xhat *= invstd[None, :, None, None]
+    y = xhat * gamma[None, :, None, None]
+    y += beta[None, :, None, None]
     if running_mean is not None:
         running_mean *= 1 - momentum
         running_mean += momentum * mean
@@ -125,21 +132,26 @@ def batchnorm_backward(dy: np.ndarray, dgamma: np.ndarray, dbeta: np.ndarray, ca
     xhat, invstd, gamma = cache
     B, C, H, W = dy.shape
     n = B * H * W
-    sdy = dy.sum(axis=(0, 2, 3))
+    sdy = np.einsum("bcp->c", dy.reshape(B, C, H * W))
     sdyx = np.einsum("bchw,bchw->c", dy, xhat)
     dgamma += sdyx
     dbeta += sdy
     # dx = gamma * invstd / n * (n dy - sum(dy) - xhat sum(dy xhat))
     k = (gamma * invstd / n)[None, :, None, None]
-    return k * (n * dy - sdy[None, :, None, None] - xhat * sdyx[None, :, None, None])
+    dx = xhat * (-sdyx)[None, :, None, None]
+    dx += n * dy
+    dx -= sdy[None, :, None, None]
+    dx *= k
+    return dx
 
 
 # ----------------------------------------------------------------------------------------
 # ReLU, max pool, global average pool, fc, softmax cross-entropy
 
 
-def relu_forward(x: np.ndarray) -> np.ndarray:
-    return np.maximum(x, 0)
+def relu_forward(x: np.ndarray, inplace: bool = False) -> np.ndarray:
+    """max(x, 0); `inplace` overwrites x (a fresh temporary: saves an allocation)."""
+    return np.maximum(x, 0, out=x if inplace else None)
 
 
 def relu_backward(dy: np.ndarray, y: np.ndarray) -> np.ndarray:

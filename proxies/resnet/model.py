@@ -101,7 +101,7 @@ class ResNetModel:
         rm, rv = self.running[conv]
         y, bcache = K.batchnorm_forward(y, gamma, beta, rm, rv)
         if relu:
-            y = K.relu_forward(y)
+            y = K.relu_forward(y, inplace=True)
         self.cache[conv] = (ccache, bcache, y if relu else None)
         return y
 
@@ -133,7 +133,7 @@ class ResNetModel:
         h = self._cbr(piece + ".conv3", h, relu=False)
         ds = piece + ".downsample"
         h += self._cbr(ds, x, relu=False) if ds in self.convs else x
-        out = K.relu_forward(h)
+        out = K.relu_forward(h, inplace=True)
         self.cache[piece] = out
         return out
 

@@ -88,7 +88,10 @@ def parser() -> argparse.ArgumentParser:
         f"gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP; 0: one bucket per piece)",
     )
     p.add_argument(
-        "--lr", type=cli.learning_rate, default=0.1, help="SGD learning rate (default 0.1)"
+        "--lr",
+        type=cli.learning_rate,
+        help="SGD learning rate (default 0.1 x global batch / 256: torchvision's 0.1 for "
+        "256 images, scaled linearly as Goyal et al.)",
     )
     p.add_argument("--momentum", type=cli.momentum, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument(
@@ -242,6 +245,8 @@ def resolve(args, world: int):
 
 def make_job(args, world: int) -> runner.Job:
     cfg, pre, B, (fwd_us, bwd_us) = resolve(args, world)
+    if args.lr is None:
+        args.lr = 0.1 * B * world / 256
     if args.compute is None:
         if pre is not None:
             args.compute = "model" if pre.forward_us or pre.scaled else "none"
