@@ -39,6 +39,7 @@ SECTIONS = (
     "GPT-3 proxy",
     "CosmoFlow proxy",
     "DLRM proxy",
+    "ResNet proxy",
     "Allreduce algorithms",
     "Scaling sweeps",
 )
