@@ -22,6 +22,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Collective, Compute, Plan, Span
 from proxies.resnet import SPEC
 from proxies.resnet.config import CPP_PRESETS, CPP_SCALED, PRESETS, ResNetConfig
+from proxies.resnet.memory import estimate as estimate_memory
 from proxies.resnet.plans import cpp_ops, model_ops
 
 PROG = "proxies.resnet"
@@ -311,6 +312,9 @@ def make_job(args, world: int) -> runner.Job:
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce"}),
+        memory=lambda rank, plan: estimate_memory(
+            cfg if pre is None else None, B, args.compute, plan
+        ),
         categories=SPEC.categories,
         short=SPEC.short,
     )
