@@ -65,6 +65,11 @@ class ResNetConfig:
         return out
 
     @property
+    def bn_channels(self) -> int:
+        """Channels of every batch norm: its running mean and var are 2x this many floats."""
+        return sum(c.cout for c in self.layers)
+
+    @property
     def num_params(self) -> int:
         return sum(n for _, n in self.tensors)
 

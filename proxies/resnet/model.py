@@ -47,7 +47,18 @@ class ResNetModel:
             self.offsets[name] = (lo, lo + c)
             lo += c
         self.convs = {c.name: c for c in cfg.layers}
-        self.running: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Batch-norm buffers as torchvision's buffers() lists them, flattened per dtype as
+        # DDP's coalesced broadcast sends them: running mean and var of every layer (float),
+        # and its num_batches_tracked (int64).
+        self.bn_stats = np.zeros(2 * sum(c.cout for c in cfg.layers), dtype)
+        self.bn_counts = np.zeros(len(cfg.layers), np.int64)
+        self.running: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        lo = 0
+        for i, c in enumerate(cfg.layers):
+            rm, rv = self.bn_stats[lo : lo + c.cout], self.bn_stats[lo + c.cout : lo + 2 * c.cout]
+            rv[...] = 1.0
+            self.running[c.name] = (rm, rv, i)
+            lo += 2 * c.cout
         self._init(seed)
         self.cache: dict[str, object] = {}
         self.loss = 0.0
@@ -77,7 +88,6 @@ class ResNetModel:
             w[...] = rng.standard_normal(w.shape) * np.sqrt(2.0 / (c.cout * c.k * c.k))
             gamma, _ = self._bn(c.name)
             gamma[...] = 1.0
-            self.running[c.name] = (np.zeros(c.cout, self.dtype), np.ones(c.cout, self.dtype))
         bound = 1.0 / np.sqrt(self.cfg.features)
         self.p("fc.weight")[...] = rng.uniform(-bound, bound, self.cfg.classes * self.cfg.features)
         self.p("fc.bias")[...] = rng.uniform(-bound, bound, self.cfg.classes)
@@ -98,7 +108,8 @@ class ResNetModel:
         c = self.convs[conv]
         y, ccache = K.conv2d_forward(x, self._conv_w(conv), c.stride, c.pad)
         gamma, beta = self._bn(conv)
-        rm, rv = self.running[conv]
+        rm, rv, i = self.running[conv]
+        self.bn_counts[i] += 1
         y, bcache = K.batchnorm_forward(y, gamma, beta, rm, rv)
         if relu:
             y = K.relu_forward(y, inplace=True)

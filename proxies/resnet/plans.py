@@ -5,6 +5,7 @@ Model presets (the pieces: "stem", each bottleneck block "layerS.J", "head" = av
 fc and the loss):
 
     data                                  (real compute only: the replica's synthetic images)
+    bcast                                 (--broadcast-buffers: rank 0's batch-norm buffers)
     stem, blocks, head forward
     head, blocks (last first), stem backward, each followed by the gradient allreduces it
                                           closes (--grad-sync buckets: core/grads.py)
@@ -58,11 +59,26 @@ def piece_ranges(cfg: ResNetConfig) -> dict[str, tuple[int, int]]:
     return {p: (us[0].ranges[0][1], us[-1].ranges[0][2]) for p, us in piece_units(cfg).items()}
 
 
-def model_ops(cfg: ResNetConfig, B: int, dp: int, policy: str, bucket: int, real: bool) -> list[Op]:
+def model_ops(
+    cfg: ResNetConfig,
+    B: int,
+    dp: int,
+    policy: str,
+    bucket: int,
+    real: bool,
+    broadcast_buffers: bool = False,
+) -> list[Op]:
     """One rank's iteration for a torchvision model (see the module doc)."""
     fwd = cfg.forward_flops(B)
     names = pieces(cfg)
     ops: list[Op] = [Compute("data", category="data")] if real else []
+    if broadcast_buffers and dp > 1:
+        # DDP's broadcast_buffers: before each forward, rank 0's batch-norm buffers to every
+        # replica, coalesced per dtype (running mean and var; num_batches_tracked)
+        ops.append(Collective("bcast", "dp", "bn_stats", 2 * cfg.bn_channels, category="dp_bcast"))
+        ops.append(
+            Collective("bcast", "dp", "bn_counts", len(cfg.layers), "int64", category="dp_bcast")
+        )
     ops += [Compute(f"{p}.forward", flops=fwd[p]) for p in names]
     n = cfg.num_params
     per_piece = piece_units(cfg)

@@ -89,6 +89,14 @@ def parser() -> argparse.ArgumentParser:
         f"gradients (default {DEFAULT_BUCKET_MB:g}, as PyTorch DDP; 0: one bucket per piece)",
     )
     p.add_argument(
+        "--broadcast-buffers",
+        choices=("on", "off"),
+        help="on: before each forward, broadcast rank 0's batch-norm running statistics "
+        "and counters to every replica, as PyTorch DDP's broadcast_buffers=True (the default "
+        "for the torchvision presets on more than one rank); off: each replica keeps its own "
+        "(the C++ presets: they send none)",
+    )
+    p.add_argument(
         "--lr",
         type=cli.learning_rate,
         help="SGD learning rate (default 0.1 x global batch / 256: torchvision's 0.1 for "
@@ -135,8 +143,11 @@ class ResNetRuntime:
             name = coll.buf.name if isinstance(coll.buf, Span) else coll.buf
             if name == "grads" and grads is None:
                 grads = np.zeros(cfg.num_params, dtype)
+            elif name in ("bn_stats", "bn_counts") and self.model is not None:
+                self.bufs[name] = getattr(self.model, name)  # broadcast in place
             elif name != "grads" and not name.startswith("grad:"):
-                self.bufs[name] = np.zeros(coll.count, dtype)
+                kind = np.int64 if coll.dtype == "int64" else dtype  # a 16-bit wire: cast
+                self.bufs[name] = np.zeros(coll.count, kind)
         self.grads = grads
         self.x = None
         self.loss, self.losses = 0.0, 0
@@ -203,6 +214,7 @@ def resolve(args, world: int):
             ("--classes", args.classes),
             ("--grad-sync", args.grad_sync),
             ("--bucket-mb", args.bucket_mb),
+            ("--broadcast-buffers", args.broadcast_buffers),
         ):
             if val is not None:
                 raise cli.UsageError(
@@ -262,7 +274,8 @@ def make_job(args, world: int) -> runner.Job:
     if pre is not None:
         ops = tuple(cpp_ops(pre, B, fwd_us, bwd_us, world))
     else:
-        ops = tuple(model_ops(cfg, B, world, policy, bucket, real))
+        bcast = args.broadcast_buffers != "off"
+        ops = tuple(model_ops(cfg, B, world, policy, bucket, real, bcast))
 
     def plan(rank: int) -> Plan:
         return Plan(rank, ops, {"dp": everyone}, {"dp": rank})
@@ -271,7 +284,8 @@ def make_job(args, world: int) -> runner.Job:
         return ResNetRuntime(cfg, plan(rank), mode, rank, B, args, dtype)
 
     model = pre.model if pre is not None else cfg
-    sizes = [c.count for c in ops if isinstance(c, Collective)]
+    sizes = [c.count for c in ops if isinstance(c, Collective) and c.kind == "allreduce"]
+    bcast = [c.count for c in ops if isinstance(c, Collective) and c.kind == "bcast"]
     config = {
         "model": args.model,
         "blocks": list(model.blocks),
@@ -284,7 +298,9 @@ def make_job(args, world: int) -> runner.Job:
         "dp": world,
         "grad_sync": "cpp" if pre else policy,
         "bucket_mb": mb if policy == "buckets" and not pre else None,
+        "broadcast_buffers": bool(bcast),
         "allreduce_sizes": sizes,
+        "broadcast_sizes": bcast,
         "compute": args.compute,
         "cpp_forward_us": fwd_us if pre else None,
         "cpp_backward_us": bwd_us if pre else None,
@@ -300,6 +316,12 @@ def make_job(args, world: int) -> runner.Job:
         "device_tflops": args.device_tflops,
     }
     header = describe(args, model, pre, B, world, policy, mb, sizes, fwd_us, bwd_us)
+    if bcast:
+        header.insert(
+            3,
+            f"batch-norm buffers broadcast from rank 0 before each forward (DDP's "
+            f"broadcast_buffers): {bcast[0]:,} floats and {bcast[1]} int64 counters",
+        )
     return runner.Job(
         prog=PROG,
         proxy="resnet",
@@ -312,6 +334,7 @@ def make_job(args, world: int) -> runner.Job:
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce"}),
+        fp32_buffers=frozenset({"bn_stats"}),  # DDP broadcasts buffers in their own dtype
         memory=lambda rank, plan: estimate_memory(
             cfg if pre is None else None, B, args.compute, plan
         ),

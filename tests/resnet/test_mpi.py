@@ -2,6 +2,7 @@
 replica's batch norm on its own samples, gradients averaged), with every gradient sync
 policy; --check verifies every allreduce; the C++ presets run."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,8 +13,9 @@ from proxies.resnet.model import reference_losses
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI
 
-B, ITERS, LR = 4, 3, 0.005
-TINY = ["--batch", str(B), "--lr", str(LR)]
+B, ITERS, LR, SIZE = 4, 3, 0.02, 64
+TINY = ["--batch", str(B), "--lr", str(LR), "--image-size", str(SIZE)]
+CFG = dataclasses.replace(PRESETS["resnet-tiny"], image_size=SIZE)
 QUICK = ["--iters", str(ITERS), "--warmup", "0", "--quiet"]
 
 
@@ -36,10 +38,10 @@ def run(tmp_path, ranks, *extra, model=TINY):
     ],
 )
 def test_replicas_train_as_one_process(tmp_path, ranks, sync):
-    # The reference in float64. Batch norm over a handful of values (layer4 is 1x1 at 32x32)
-    # is ill-conditioned: at lr 0.1 float32 and float64 part by 3e-5 within 3 steps (2
-    # images: by 10%), at lr 0.005 by 1e-7; MPI's summation order then matters as little.
-    want = reference_losses(PRESETS["resnet-tiny"], ranks, B, ITERS, lr=LR)
+    # The reference in float64. Batch norm over a handful of values is ill-conditioned: at
+    # 32x32 (layer4 1x1: 4 values per channel) float32 and float64 part by 1e-5 within 3
+    # steps at lr 0.005 (2 images, lr 0.1: by 10%); at 64x64 (2x2) by 3e-7.
+    want = reference_losses(CFG, ranks, B, ITERS, lr=LR)
     got = run(tmp_path, ranks, *sync)
     assert got["config"]["global_batch"] == ranks * B
     assert got["loss"] == pytest.approx(want, rel=1e-5)
@@ -52,6 +54,9 @@ def test_check_verifies_every_allreduce(tmp_path):
     assert got["config"]["check"] is True
     assert len(got["config"]["allreduce_sizes"]) > 1
     assert "dp_allreduce_hidden" in got["breakdown_s"]
+    # rank 0's batch-norm buffers to every replica: 17 layers of 608 channels in all (tiny),
+    # running mean and var in float32, one int64 counter per layer
+    assert got["bytes"]["dp_bcast"] == [4 * 2 * 608 + 8 * 17] * 4
 
 
 def test_cpp_resnet152_model_compute(tmp_path):

@@ -26,7 +26,11 @@ def ops(*argv: str, world: int = 4):
 
 
 def allreduces(plan_ops):
-    return [(o.count, bool(o.req)) for o in plan_ops if isinstance(o, Collective)]
+    return [
+        (o.count, bool(o.req))
+        for o in plan_ops
+        if isinstance(o, Collective) and o.kind == "allreduce"
+    ]
 
 
 def test_cpp_resnet50_six_blocking_allreduces_after_the_backward():
@@ -98,6 +102,22 @@ def test_fused_and_per_tensor_after_the_backward():
     assert not allreduces(ops(world=1))  # one replica: nothing to reduce
 
 
+def test_batch_norm_buffers_broadcast_before_the_forward():
+    """DDP's broadcast_buffers: ResNet-50's 53 batch norms hold 26,560 channels: 53,120
+    floats of running mean and var, and 53 int64 counters, from rank 0 before the stem."""
+    got = ops("--model", "resnet50", "--compute", "model")
+    assert [(o.kind, o.count, o.dtype) for o in got[:2]] == [
+        ("bcast", 53_120, "float32"),
+        ("bcast", 53, "int64"),
+    ]
+    assert got[2].name == "stem.forward"
+    off = ops("--model", "resnet50", "--compute", "model", "--broadcast-buffers", "off")
+    assert not any(isinstance(o, Collective) and o.kind == "bcast" for o in off)
+    assert not any(
+        isinstance(o, Collective) and o.kind == "bcast" for o in ops("--model", "resnet50", world=1)
+    )
+
+
 def test_plan_ranges_are_the_model_layout():
     cfg = PRESETS["resnet-tiny"]
     m = ResNetModel(cfg)
@@ -120,6 +140,7 @@ BAD = [
     (["--model", "dnn-cpp-proxies-resnet152", "--batch", "8"], 4, "for batch 128"),
     (["--model", "dnn-cpp-proxies-resnet50", "--image-size", "64"], 4, "--image-size"),
     (["--model", "dnn-cpp-proxies-resnet50", "--grad-sync", "fused"], 4, "--grad-sync"),
+    (["--model", "dnn-cpp-proxies-resnet152", "--broadcast-buffers", "on"], 4, "--broadcast"),
     (["--grad-sync", "fused", "--bucket-mb", "1"], 4, "--bucket-mb needs --grad-sync buckets"),
 ]
 
