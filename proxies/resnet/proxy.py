@@ -21,7 +21,7 @@ from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Collective, Compute, Plan, Span
 from proxies.resnet import SPEC
-from proxies.resnet.config import CPP_PRESETS, CPP_SCALED, PRESETS, ResNetConfig
+from proxies.resnet.config import CPP_PRESETS, CPP_SCALED, PRESETS, CppPreset, ResNetConfig
 from proxies.resnet.memory import estimate as estimate_memory
 from proxies.resnet.plans import cpp_ops, model_ops
 
@@ -127,7 +127,16 @@ class ResNetRuntime:
     """One replica's buffers and compute: the model for real/replay compute, zero buffers of
     the plan's sizes otherwise."""
 
-    def __init__(self, cfg, plan: Plan, mode: str, d: int, B: int, args, dtype=np.float32):
+    def __init__(
+        self,
+        cfg: ResNetConfig | None,
+        plan: Plan,
+        mode: str,
+        d: int,
+        B: int,
+        args: argparse.Namespace,
+        dtype: type = np.float32,
+    ) -> None:
         self.cfg, self.d, self.B, self.dp = cfg, d, B, len(plan.groups["dp"])
         self.args, self.dtype = args, dtype
         self.model = None
@@ -141,18 +150,19 @@ class ResNetRuntime:
             if not isinstance(coll, Collective):
                 continue
             name = coll.buf.name if isinstance(coll.buf, Span) else coll.buf
-            if name == "grads" and grads is None:
+            flat = name == "grads" or name.startswith("grad:")  # slices of the one array
+            if flat and grads is None:
                 grads = np.zeros(cfg.num_params, dtype)
             elif name in ("bn_stats", "bn_counts") and self.model is not None:
                 self.bufs[name] = getattr(self.model, name)  # broadcast in place
-            elif name != "grads" and not name.startswith("grad:"):
+            elif not flat:
                 kind = np.int64 if coll.dtype == "int64" else dtype  # a 16-bit wire: cast
                 self.bufs[name] = np.zeros(coll.count, kind)
         self.grads = grads
         self.x = None
         self.loss, self.losses = 0.0, 0
 
-    def buffer(self, name, mb: int, chunk: int) -> np.ndarray:
+    def buffer(self, name: str | Span, mb: int, chunk: int) -> np.ndarray:
         if isinstance(name, Span):
             return self.grads[name.lo : name.hi]
         if name == "grads":
@@ -205,7 +215,9 @@ class ResNetRuntime:
         return out
 
 
-def resolve(args, world: int):
+def resolve(
+    args: argparse.Namespace, world: int
+) -> tuple[ResNetConfig | None, CppPreset | None, int, tuple[float, float]]:
     """(model config or None, C++ preset or None, batch per replica, C++ times in us)."""
     if args.model in CPP_PRESETS:
         pre = CPP_PRESETS[args.model]
@@ -256,7 +268,7 @@ def resolve(args, world: int):
     return cfg, None, args.batch or base.batch, (0.0, 0.0)
 
 
-def make_job(args, world: int) -> runner.Job:
+def make_job(args: argparse.Namespace, world: int) -> runner.Job:
     cfg, pre, B, (fwd_us, bwd_us) = resolve(args, world)
     if args.lr is None:
         args.lr = 0.1 * B * world / 256

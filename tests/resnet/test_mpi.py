@@ -74,3 +74,12 @@ def test_cpp_resnet50_communication_only(tmp_path):
     got = run(tmp_path, 2, "--check", model=["--model", "dnn-cpp-proxies-resnet50"])
     assert got["config"]["compute"] == "none"
     assert got["bytes"]["dp_allreduce"] == [4 * 25_559_081] * 2
+
+
+@pytest.mark.parametrize("sync", ["per-tensor", "buckets"])
+def test_communication_only_runs_every_policy(tmp_path, sync):
+    """Without the model (--compute none) the runtime holds the flat gradient array itself:
+    per-tensor keys and bucket spans are slices of it."""
+    got = run(tmp_path, 2, "--compute", "none", "--grad-sync", sync, "--check")
+    assert "loss" not in got
+    assert got["bytes"]["dp_allreduce"] == [4 * 34_962] * 2
