@@ -3,6 +3,7 @@ pattern and A100 times; DDP-style buckets; bad input refused before any work."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from proxies.core import cli
 from proxies.core.plan import Collective, Compute, Wait
 from proxies.core.simulate import simulate
-from proxies.resnet.config import PRESETS
+from proxies.resnet.config import CPP_PRESETS, PRESETS
 from proxies.resnet.model import ResNetModel
 from proxies.resnet.plans import piece_ranges
 from proxies.resnet.proxy import make_job, parser
@@ -65,6 +66,21 @@ def test_cpp_resnet152_ten_buckets_each_after_a_tenth_of_the_backward():
     compute = sum(o.seconds for o in got if isinstance(o, Compute))
     assert compute == pytest.approx(0.119 + 10 * 0.0238)  # 357 ms, the C++ slept time
     assert simulate([job("--model", "dnn-cpp-proxies-resnet152").plan(r) for r in range(4)])
+
+
+def test_which_cpp_sizes_end_at_tensor_boundaries():
+    """ResNet-152's ten buckets end at torchvision's tensors in backward order; ResNet-50's
+    six (TensorFlow's order, 1001 classes) do not all."""
+
+    def ends(pre):
+        cum, out = 0, set()
+        for _, n in reversed(pre.model.tensors):
+            cum += n
+            out.add(cum)
+        return [c in out for c in itertools.accumulate(pre.sizes)]
+
+    assert all(ends(CPP_PRESETS["dnn-cpp-proxies-resnet152"]))
+    assert ends(CPP_PRESETS["dnn-cpp-proxies-resnet50"]) == [True, True, False, True, True, True]
 
 
 @pytest.mark.parametrize(
