@@ -210,11 +210,18 @@ def reference_losses(
     replicas per iteration."""
     m = ResNetModel(cfg, seed, dtype)
     G, out = replicas * B, []
+    total = np.zeros_like(m.grads)
     for it in range(iters):
         losses = []
+        total[...] = 0
         for d in range(replicas):
+            # each replica's gradient on its own, then summed in rank order: an allreduce's
+            # sum (exactly so for 2 ranks), not one accumulation over every replica's images
+            m.zero_grad()
             images, labels = batch(cfg, seed, it * G + d * B, B, dtype)
             losses.append(m.forward_backward(images, labels))
+            total += m.grads
+        m.grads[...] = total
         m.step(lr, momentum, weight_decay, 1.0 / replicas)
         m.zero_grad()
         out.append(sum(losses) / replicas)

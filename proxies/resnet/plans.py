@@ -67,8 +67,11 @@ def model_ops(
     bucket: int,
     real: bool,
     broadcast_buffers: bool = False,
+    fixed: tuple[int, ...] = (),
 ) -> list[Op]:
-    """One rank's iteration for a torchvision model (see the module doc)."""
+    """One rank's iteration for a torchvision model (see the module doc). `fixed`: bucket
+    sizes given (a C++ proxy's, ending at tensor boundaries: cpp_buckets), each posted once
+    the backward has completed its last tensor, instead of buckets closed at `bucket`."""
     fwd = cfg.forward_flops(B)
     names = pieces(cfg)
     ops: list[Op] = [Compute("data", category="data")] if real else []
@@ -87,6 +90,8 @@ def model_ops(
         tensors = tuple((f"grad:{t}", c) for t, c in backward_tensors(cfg))
         flats.append(Flat("grads", "dp", n, "dp_allreduce", tensors=tensors, req="bucket{n}"))
     units = [u for p in reversed(names) for u in per_piece[p]]
+    if fixed:  # one unit per given bucket, keyed by its last tensor: each its own bucket
+        units, bucket = cpp_buckets(units, fixed), 0
     sync = GradSync(policy, flats, units, bucket=bucket)
     for p in reversed(names):
         # the stem's backward has no input gradient (the image): its weight gradient only
@@ -94,6 +99,34 @@ def model_ops(
         ops += sync.after([u.key for u in per_piece[p]])
     # SGD with momentum and weight decay: about 5 operations per parameter
     return ops + sync.end(optimizer=Compute("optimizer", flops=5.0 * n))
+
+
+def tensor_bounded(cfg: ResNetConfig, sizes: tuple[int, ...]) -> bool:
+    """Whether consecutive buckets of these sizes end at tensor boundaries of cfg's
+    gradients in backward order (and cover them exactly)."""
+    ends, cum = set(), 0
+    for _, n in backward_tensors(cfg):
+        cum += n
+        ends.add(cum)
+    cum = 0
+    for n in sizes:
+        cum += n
+        if cum not in ends:
+            return False
+    return cum == cfg.num_params
+
+
+def cpp_buckets(units: list[Unit], sizes: tuple[int, ...]) -> list[Unit]:
+    """The per-tensor units (backward order) regrouped into one unit per given size, keyed by
+    the key of its last tensor (tensor_bounded must hold)."""
+    out, i = [], 0
+    for n in sizes:
+        lo, got = units[i].ranges[0][1], 0
+        while got < n:
+            got += units[i].size
+            i += 1
+        out.append(Unit(units[i - 1].key, (("grads", lo, lo + n),)))
+    return out
 
 
 def cpp_ops(pre: CppPreset, B: int, forward_us: float, backward_us: float, dp: int) -> list[Op]:

@@ -13,6 +13,7 @@ plans.py; the C++ proxies' presets (dnn-cpp-proxies-*) send their fixed messages
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import numpy as np
@@ -23,7 +24,7 @@ from proxies.core.plan import Collective, Compute, Plan, Span
 from proxies.resnet import SPEC
 from proxies.resnet.config import CPP_PRESETS, CPP_SCALED, PRESETS, CppPreset, ResNetConfig
 from proxies.resnet.memory import estimate as estimate_memory
-from proxies.resnet.plans import cpp_ops, model_ops
+from proxies.resnet.plans import cpp_ops, model_ops, tensor_bounded
 
 PROG = "proxies.resnet"
 DEFAULT_MODEL = "resnet-tiny"
@@ -221,8 +222,9 @@ def resolve(
     """(model config or None, C++ preset or None, batch per replica, C++ times in us)."""
     if args.model in CPP_PRESETS:
         pre = CPP_PRESETS[args.model]
+        real = args.compute in ("real", "replay")
         for opt, val in (
-            ("--image-size", args.image_size),
+            ("--image-size", None if real else args.image_size),
             ("--classes", args.classes),
             ("--grad-sync", args.grad_sync),
             ("--bucket-mb", args.bucket_mb),
@@ -233,13 +235,16 @@ def resolve(
                     f"{opt}: --model {args.model} sends the C++ proxy's fixed messages "
                     f"({pre.source}); use --model resnet50 or resnet152 to change them"
                 )
-        if args.compute in ("real", "replay"):
+        if real and not tensor_bounded(pre.model, pre.sizes):
             raise cli.UsageError(
-                f"--compute {args.compute}: --model {args.model} has the C++ proxy's "
-                f"allreduce sizes, cut where its backward slices end, not where a real "
-                f"backward completes gradients; use --compute model or none, or train "
-                f"--model {pre.model.name} with --grad-sync buckets"
+                f"--compute {args.compute}: --model {args.model}'s allreduce sizes do not end "
+                f"where a backward of torchvision's {pre.model.name} completes gradients "
+                f"(they follow TensorFlow's parameter order); use --compute model or none, "
+                f"or train --model {pre.model.name}"
             )
+        if real:  # the model's own compute: its batch and image size are free
+            cfg = dataclasses.replace(pre.model, image_size=args.image_size or 224)
+            return cfg, pre, args.batch or pre.batch or 32, (0.0, 0.0)
         fwd, bwd, B = pre.forward_us, pre.backward_us, pre.batch
         if pre.scaled:
             if world not in CPP_SCALED:
@@ -283,7 +288,9 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
     policy = args.grad_sync or "buckets"
     mb = DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb
     bucket = math.ceil(mb * 2**20 / 4) if policy == "buckets" else 0
-    if pre is not None:
+    if pre is not None and cfg is not None:  # real compute, the C++ proxy's buckets
+        ops = tuple(model_ops(cfg, B, world, "buckets", 0, real, False, pre.sizes))
+    elif pre is not None:
         ops = tuple(cpp_ops(pre, B, fwd_us, bwd_us, world))
     else:
         bcast = args.broadcast_buffers != "off"
@@ -295,7 +302,7 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
     def runtime(rank, MPI, comms, mode, dtype=np.float32):
         return ResNetRuntime(cfg, plan(rank), mode, rank, B, args, dtype)
 
-    model = pre.model if pre is not None else cfg
+    model = cfg if cfg is not None else pre.model
     sizes = [c.count for c in ops if isinstance(c, Collective) and c.kind == "allreduce"]
     bcast = [c.count for c in ops if isinstance(c, Collective) and c.kind == "bcast"]
     config = {
@@ -347,9 +354,7 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
         dtypes=cli.wire_dtypes(args),
         grad_categories=frozenset({"dp_allreduce"}),
         fp32_buffers=frozenset({"bn_stats"}),  # DDP broadcasts buffers in their own dtype
-        memory=lambda rank, plan: estimate_memory(
-            cfg if pre is None else None, B, args.compute, plan
-        ),
+        memory=lambda rank, plan: estimate_memory(cfg, B, args.compute, plan),
         categories=SPEC.categories,
         short=SPEC.short,
     )
@@ -363,7 +368,12 @@ def describe(args, model, pre, B, world, policy, mb, sizes, fwd_us, bwd_us) -> l
         f"classes · {model.num_params:,} parameters"
     )
     grid = f"grid: {world} data-parallel replica(s) x {B} images = global batch {B * world}"
-    if pre is not None:
+    if pre is not None and args.compute in ("real", "replay"):
+        sync = (
+            f"the C++ proxy's {pre.source} sizes: {len(pre.sizes)} buckets, each allreduced "
+            "non-blocking once the backward has completed its last tensor"
+        )
+    elif pre is not None:
         kind = "blocking, after the backward" if pre.blocking else "non-blocking, one after "
         kind += "" if pre.blocking else f"each tenth of the backward ({bwd_us:g} us each)"
         sync = (

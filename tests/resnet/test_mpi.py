@@ -5,6 +5,7 @@ policy; --check verifies every allreduce; the C++ presets run."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from launch import mpirun
 
@@ -83,3 +84,21 @@ def test_communication_only_runs_every_policy(tmp_path, sync):
     got = run(tmp_path, 2, "--compute", "none", "--grad-sync", sync, "--check")
     assert "loss" not in got
     assert got["bytes"]["dp_allreduce"] == [4 * 34_962] * 2
+
+
+def test_cpp_resnet152_buckets_train_resnet152(tmp_path):
+    """Real compute with the C++ ResNet-152's ten buckets (they end at tensor boundaries):
+    2 replicas train as one process does. Float32 and one BLAS thread on both sides (the
+    ranks get one each on 2 cores, this process has one): the same sums, the same losses.
+    (A float64 reference parts from float32 by 5e-5 at the first loss already: 150 batch
+    norms over 8 values each.)"""
+    got = run(
+        tmp_path,
+        2,
+        "--iters", "2", "--compute", "real", "--batch", "2", "--image-size", "32",
+        model=["--model", "dnn-cpp-proxies-resnet152"],
+    )  # fmt: skip
+    cfg = dataclasses.replace(PRESETS["resnet152"], image_size=32)
+    want = reference_losses(cfg, 2, 2, 2, lr=0.1 * 4 / 256, dtype=np.float32)
+    assert got["loss"] == pytest.approx(want, rel=1e-5)
+    assert got["bytes"]["dp_allreduce"] == [4 * 60_192_808] * 2

@@ -97,6 +97,19 @@ def test_cpp_resnet152_scaled_by_world_size(world, batch, fwd_us, bwd_us):
     assert len(allreduces(got)) == 10
 
 
+def test_cpp_resnet152_real_compute_posts_its_buckets_as_the_backward_completes_them():
+    got = ops("--model", "dnn-cpp-proxies-resnet152", "--compute", "real", "--batch", "2")
+    colls = [(i, o) for i, o in enumerate(got) if isinstance(o, Collective)]
+    assert [o.count for _, o in colls] == list(CPP_PRESETS["dnn-cpp-proxies-resnet152"].sizes)
+    # contiguous slices of the flat gradients, in backward order
+    assert [(o.buf.lo, o.buf.hi) for _, o in colls][:2] == [(0, 6_511_592), (6_511_592, 13_079_528)]
+    # each right after the backward op completing its last tensor: the first ends with
+    # layer4.2 (fc + layer4.2 = 6,511,592), the last with the stem
+    assert got[colls[0][0] - 1].name == "layer4.2.backward"
+    assert got[colls[-1][0] - 1].name == "stem.backward"
+    assert all(o.req for _, o in colls)
+
+
 def test_buckets_close_at_25_mib_in_backward_order():
     """ResNet-50 at the default 25 MiB (6,553,600 floats), tensors in reverse parameter
     order, a bucket closed once it holds that many."""
@@ -150,8 +163,9 @@ def test_model_compute_is_flops_at_the_device_rate():
 
 
 BAD = [
-    (["--model", "dnn-cpp-proxies-resnet152", "--compute", "real"], 4, "--compute real"),
+    (["--model", "dnn-cpp-proxies-resnet50", "--compute", "real"], 4, "--compute real"),
     (["--model", "dnn-cpp-proxies-resnet50", "--compute", "replay"], 4, "--compute replay"),
+    (["--model", "dnn-cpp-proxies-resnet152", "--image-size", "64"], 4, "--image-size"),
     (["--model", "dnn-cpp-proxies-resnet152-scal"], 8, "256, 512, 1024, 2048 ranks"),
     (["--model", "dnn-cpp-proxies-resnet152", "--batch", "8"], 4, "for batch 128"),
     (["--model", "dnn-cpp-proxies-resnet50", "--image-size", "64"], 4, "--image-size"),
@@ -170,7 +184,7 @@ def test_bad_input_refused(argv, world, words):
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2():
     r = subprocess.run(
-        [sys.executable, "-m", "proxies.resnet", "--model", "dnn-cpp-proxies-resnet152",
+        [sys.executable, "-m", "proxies.resnet", "--model", "dnn-cpp-proxies-resnet50",
          "--compute", "real", "--dry-run"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
