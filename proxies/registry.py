@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from proxies import cosmoflow, dlrm, gpt2, gpt3, resnet
+from proxies import bert, cosmoflow, dlrm, gpt2, gpt3, resnet
 from proxies.core.spec import Command, ProxySpec
 
 if TYPE_CHECKING:
     from proxies.core.report import Categories
 
 PROXIES: dict[str, ProxySpec] = {
-    s.name: s for s in (gpt2.SPEC, gpt3.SPEC, cosmoflow.SPEC, dlrm.SPEC, resnet.SPEC)
+    s.name: s for s in (gpt2.SPEC, gpt3.SPEC, cosmoflow.SPEC, dlrm.SPEC, bert.SPEC, resnet.SPEC)
 }
 
 # Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of

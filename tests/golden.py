@@ -73,6 +73,7 @@ PROXIES = tuple(registry.PROXIES)  # every registered proxy
 # Compare request names only up to a consistent renaming, per proxy. The transformer
 # restructure may rename CosmoFlow's requests (and nothing else): turn it on then.
 IGNORE_REQUEST_NAMES = {"gpt2": False, "gpt3": False, "cosmoflow": False, "dlrm": False}
+IGNORE_REQUEST_NAMES["bert"] = False
 IGNORE_REQUEST_NAMES["resnet"] = False
 FULL_OPS = 300_000  # more ops than this over all ranks: dump the folded representatives
 FLOAT_REL = 1e-12

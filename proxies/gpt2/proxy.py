@@ -24,6 +24,7 @@ from proxies.core.plan import Plan
 from proxies.gpt2 import SPEC, cpp
 from proxies.transformer import describe, options
 from proxies.transformer.config import PRESETS, GPT2Config, layout_size, stage_layout
+from proxies.transformer.fsdp import fsdp_text
 from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
 from proxies.transformer.plan import gpt2_plan, gpt3_plans
@@ -94,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
         "AdamW on this rank's shard, allgather the parameters (default 0: off)",
     )
     options.add_cp(p)
+    options.add_fsdp(p)
     options.add_training(p, lr=1e-3, defaults_in_help=True)
     options.add_megatron(p)
     cli.add_common(
@@ -115,6 +117,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     v = 1, no sequence parallelism or MoE); UsageError names the rule."""
     options.megatron_shape(args)  # --num-layers, --pipeline-model-parallel-size
     options.micro_batches(args)  # --micro-batches
+    sync_given = args.grad_sync is not None  # before cpp.resolve's default (FSDP refuses it)
     if args.cp > 1:
         cp_defaults(args)
     cpp.resolve(args)  # defaults per preset and schedule; the cpp schedule's refusals
@@ -147,9 +150,23 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         )
     bucket_mb = DEFAULT_BUCKET_MB if buckets and args.bucket_mb is None else args.bucket_mb
     dp = world // (pp * cp)
+    fsdp_fields = options.fsdp_rules(
+        args,
+        dp,
+        cp=cp,
+        refused=(
+            ("--schedule cpp", args.schedule == "cpp"),
+            ("--grad-sync", sync_given),
+            ("--bucket-mb", args.bucket_mb is not None),
+            ("--zero 1", bool(args.zero)),
+        ),
+    )
     try:
         grid = ProcessGrid.create(
-            args.order, pp=pp, dp=dp, **({"cp": cp, "tp": 1} if cp > 1 else {})
+            args.order,
+            pp=pp,
+            dp=dp,
+            **({"cp": cp, "tp": 1} if cp > 1 else {"tp": 1} if fsdp_fields else {}),
         )
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
@@ -171,10 +188,11 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         sync="zero1" if args.zero else args.grad_sync,
         bucket_mb=bucket_mb,
         **cp_fields,
-        # --cp > 1 plans as gpt3 at tp 1: gpt3's layout and in-flight bucket cap
+        **fsdp_fields,
+        # --cp > 1 and --fsdp plan as gpt3 at tp 1: gpt3's layout and in-flight bucket cap
         **(
             {}
-            if cp_fields.get("cp", 1) > 1
+            if cp_fields.get("cp", 1) > 1 or fsdp_fields
             else {"inflight": 0, "param_order": GPT2_ORDER}  # buckets each their own buffer
         ),
         lr=args.lr,
@@ -206,6 +224,8 @@ def sync_text(S: Setup) -> str:
     """The data-parallel gradient sync, as the header words it."""
     if S.schedule == "cpp":
         return "one blocking allreduce per layer (the C++ proxy's), no tied-embedding allreduce"
+    if S.fsdp:
+        return fsdp_text(S)
     if S.zero and S.dp > 1:
         return "ZeRO-1 (reduce-scatter, allgather)"
     if S.sync == "buckets":
@@ -220,10 +240,10 @@ def make_job(args, world: int) -> runner.Job:
     parity = S.schedule == "cpp"
     # The C++ schedule trains nothing: no data.
     source = options.token_source(args, cfg.vocab_size, S.T, needed=not parity)
-    cp_plan = gpt3_plans(S, grid, S.schedule) if S.cp > 1 else None
+    cp_plan = gpt3_plans(S, grid, S.schedule) if S.cp > 1 or S.fsdp else None
 
     def plan(rank: int) -> Plan:
-        if S.cp > 1:
+        if cp_plan is not None:
             return cp_plan(rank)
         if parity:
             c = grid.coords(rank)
@@ -243,6 +263,7 @@ def make_job(args, world: int) -> runner.Job:
         return Runtime(S, plan(rank), c["pp"], 0, 0, c["dp"], source, mode)
 
     own = {"grad_sync": args.grad_sync, "bucket_mb": S.bucket_mb, "zero": S.zero}
+    own["fsdp_shard_size"] = S.fsdp or None  # FSDP's shard group (dp, or HSDP's N); None: off
     config = describe.config(S, grid, args, own, data="none" if parity else "synthetic")
     messages = f"gradients per layer {cfg.layer_params:,} floats · gradient sync {sync_text(S)}"
     return runner.Job(
@@ -251,7 +272,7 @@ def make_job(args, world: int) -> runner.Job:
         config=config,
         grid=grid,
         plan=plan,
-        group_names=("pp", "dp", "embed", *describe.cp_groups(S)),
+        group_names=("pp", "dp", "embed", *describe.cp_groups(S), "fsdp", "hsdp"),
         label=label,
         header=describe.header(PROG, S, grid, args, source, messages=messages),
         runtime=runtime,
@@ -266,7 +287,15 @@ def make_job(args, world: int) -> runner.Job:
 
 
 # Gradient reductions (--grad-dtype); the rest, ZeRO's parameter allgather included, is --dtype.
-GRAD_CATEGORIES = frozenset({"dp_allreduce", "dp_reduce_scatter", "embed_allreduce"})
+GRAD_CATEGORIES = frozenset(
+    {
+        "dp_allreduce",
+        "dp_reduce_scatter",
+        "embed_allreduce",
+        "fsdp_reduce_scatter",
+        "hsdp_allreduce",
+    }
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,6 +180,7 @@ def parser() -> argparse.ArgumentParser:
         "pattern (compute model/none only)",
     )
     options.add_cp(p)
+    options.add_fsdp(p)
     options.add_training(p, lr=1e-4, defaults_in_help=False)  # the formatter adds them
     options.add_megatron(p, virtual=True)
     tflops = cpp_device_tflops()
@@ -290,6 +291,18 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         bucket = options.bucket_elements(args.bucket_mb)
     else:
         bucket = args.dp_bucket or 0
+    fsdp_fields = options.fsdp_rules(
+        args,
+        dp,
+        moe=moe is not None,
+        cp=cp,
+        sp=sp,
+        virtual=v,
+        refused=(
+            ("--bucket-mb", args.bucket_mb is not None),
+            ("--dp-bucket", args.dp_bucket is not None),
+        ),
+    )
     vocab = padded_vocab(cfg.vocab_size, tp, args.make_vocab_size_divisible_by)
     S = Setup(
         cfg,
@@ -310,6 +323,7 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
         model=args.model,
         schedule=schedule,
         **cp_fields,
+        **fsdp_fields,
         lr=args.lr,
         weight_decay=args.weight_decay,
         seed=args.seed,
@@ -363,7 +377,7 @@ def make_job(args, world: int) -> runner.Job:
         model_extra=moe_text(S),
         messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
     )
-    groups = ("pp", "tp", "dp", "embed", "ep", "edp", *describe.cp_groups(S))
+    groups = ("pp", "tp", "dp", "embed", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
     return runner.Job(
         prog=PROG,
         proxy="gpt3",
@@ -375,7 +389,15 @@ def make_job(args, world: int) -> runner.Job:
         header=header,
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset({"dp_allreduce", "edp_allreduce", "embed_allreduce"}),
+        grad_categories=frozenset(
+            {
+                "dp_allreduce",
+                "edp_allreduce",
+                "embed_allreduce",
+                "fsdp_reduce_scatter",
+                "hsdp_allreduce",
+            }
+        ),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
         fp32_buffers=frozenset({"ce"}),
         # tensor-parallel shards and data-parallel replicas run the same plan op for op
@@ -407,6 +429,7 @@ def own_config(S: Setup) -> dict:
         "dp_bucket": S.bucket,  # elements, whichever of --bucket-mb / --dp-bucket set it
         "inflight_buckets": S.inflight,
         "layers_only": S.layers_only,
+        "fsdp_shard_size": S.fsdp or None,  # FSDP's shard group (dp, or HSDP's N); None: off
     }
 
 

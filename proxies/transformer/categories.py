@@ -17,6 +17,10 @@ CATEGORIES = {
     "cp_reduce": "context-parallel reduces (dk,dv)",
     "cp_reduce_scatter": "context-parallel reduce-scatter (dk,dv)",
     "cp_alltoall": "context-parallel all-to-all (Ulysses)",
+    # FSDP / ZeRO-3 (transformer/fsdp.py): per unit, over the shard group; HSDP's replicas
+    "fsdp_allgather": "FSDP parameter all-gather",
+    "fsdp_reduce_scatter": "FSDP gradient reduce-scatter",
+    "hsdp_allreduce": "HSDP replica allreduce (reduced shards)",
 }
 SHORT = {
     "embed_allreduce": "tied ar",
@@ -27,4 +31,7 @@ SHORT = {
     "cp_reduce": "cp red",
     "cp_reduce_scatter": "cp rs",
     "cp_alltoall": "cp a2a",
+    "fsdp_allgather": "fsdp ag",
+    "fsdp_reduce_scatter": "fsdp rs",
+    "hsdp_allreduce": "hsdp ar",
 }

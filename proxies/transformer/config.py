@@ -20,6 +20,7 @@ class GPT2Config:
     n_head: int  # NH
     vocab_size: int = 50257  # V: GPT-2's tokenizer (llm.c pads to 50304 for speed; we do not)
     max_seq_len: int = 1024  # rows of the position embedding wpe
+    causal: bool = True  # attention masks future keys; False: BERT's bidirectional encoder
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "vocab_size", "max_seq_len"):
@@ -42,6 +43,14 @@ class GPT2Config:
 
     def with_layers(self, n_layer: int) -> GPT2Config:
         return replace(self, n_layer=n_layer)
+
+    def extra_sections(
+        self, vocab_local: int, embed: bool, head: bool
+    ) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """Layout sections a model family adds to wte / wpe / ln_f (layout.Layout), by the
+        names Setup.param_order lists: (tensor, shard shape) each. GPT: none (BERT's
+        embedding and MLM head tensors, encoder.py)."""
+        return {}
 
 
 # One transformer layer's 12 tensors, named as in nanoGPT / the HF checkpoint; weights (OC, C).

@@ -283,19 +283,23 @@ def _qkv(inp: np.ndarray, NH: int):
     return q, k, v, hs
 
 
-def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int) -> None:
+def attention_forward(
+    out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int, causal: bool = True
+) -> None:
     """As the reference: att (B,NH,T,T) the saved softmax, out (B,T,C). The 1/sqrt(hs)
-    scale goes on q (T x hs per head, not T x T); the causal mask is added; each row is
-    scaled by its sum's reciprocal."""
+    scale goes on q (T x hs per head, not T x T); the causal mask is added (causal=False,
+    BERT's encoder: none, every query sees every key); each row is scaled by its sum's
+    reciprocal."""
     B, T, _ = inp.shape
     q, k, v, hs = _qkv(inp, NH)
     np.matmul(q * (1.0 / math.sqrt(hs)), k.swapaxes(-1, -2), out=att)
-    bias = _causal_bias(T, inp.dtype.str)
+    bias = _causal_bias(T, inp.dtype.str) if causal else None
     rows = att.reshape(-1, T, T)
 
     def softmax(i: int, j: int) -> None:
         a = rows[i:j]
-        a += bias
+        if bias is not None:
+            a += bias
         a -= a.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
         np.exp(a, out=a)
         s = a.sum(axis=-1, keepdims=True)

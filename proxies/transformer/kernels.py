@@ -175,10 +175,13 @@ def _future(T: int) -> np.ndarray:
     return np.triu(np.ones((T, T), dtype=bool), k=1)
 
 
-def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int) -> None:
+def attention_forward(
+    out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int, causal: bool = True
+) -> None:
     """out (B,T,C), att (B,NH,T,T) saved softmax; inp (B,T,3C) holds q, k, v side by side.
 
-    att = softmax(q @ k^T / sqrt(hs)) with future keys masked, out = att @ v. The batched
+    att = softmax(q @ k^T / sqrt(hs)) with future keys masked (causal=False: none, BERT's
+    bidirectional encoder), out = att @ v. The batched
     matmuls run over (B,NH) on strided views, each (T,hs) slice a plain BLAS operand.
     """
     B, T, C3 = inp.shape
@@ -186,7 +189,8 @@ def attention_forward(out: np.ndarray, att: np.ndarray, inp: np.ndarray, NH: int
     q, k, v = inp.reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)  # each (B,NH,T,hs)
     np.matmul(q, k.swapaxes(-1, -2), out=att)
     att *= 1.0 / math.sqrt(hs)
-    np.copyto(att, -np.inf, where=_future(T))
+    if causal:
+        np.copyto(att, -np.inf, where=_future(T))
     att -= att.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
     np.exp(att, out=att)
     att /= att.sum(axis=-1, keepdims=True)

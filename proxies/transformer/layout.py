@@ -119,6 +119,7 @@ class Layout:
             "wpe": [("wpe", (S.cfg.max_seq_len, C))] if embed else [],
             "ln_f": [("ln_f.weight", (C,)), ("ln_f.bias", (C,))] if head else [],
         }
+        sections |= S.cfg.extra_sections(S.vocab // S.tp, embed, head)
         for ch in self.chunks:
             layers: list[Unit] = []
             e0 = self.e  # the extras hold no expert tensors: an empty range at the chunk's start

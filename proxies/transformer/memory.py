@@ -95,7 +95,7 @@ def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
     return att, B * (NHl // n) * T * T + B * T * 4 * C // tp // n, B * Tl * 4 * C // tp
 
 
-def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
+def real_parts(S: Setup, stage: int, dp_rank: int = 0, plan: Plan | None = None) -> dict[str, int]:
     if S.cp > 1:  # the rank's T/cp tokens, the attention core's state replaced
         Sl = replace(S, T=S.Tc, cp=1)
         parts = real_parts(Sl, stage, dp_rank)
@@ -130,6 +130,9 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
     moe = S.moe
     dispatch = (tp if S.sp else 1) * moe.experts * moe.capacity(S.Ns) * C if moe else 0
     bufs = S.N * C + tp * 3 * S.N + dispatch + (lay.sp_size if S.sp else 0)
+    if S.fsdp:
+        return {**fsdp_parts(S, lay, plan), "activations": acts, "workspace": F32 * work,
+                "blas": memory.blas_workspace(), "buffers": F32 * bufs}  # fmt: skip
     return {
         "parameters": F32 * n,
         "gradients": F32 * n,
@@ -141,10 +144,39 @@ def real_parts(S: Setup, stage: int, dp_rank: int = 0) -> dict[str, int]:
     }
 
 
+def fsdp_parts(S: Setup, lay: Layout, plan: Plan) -> dict[str, int]:
+    """FSDP (transformer/fsdp.py ShardedParams), bytes, from the units and the rank's plan:
+    parameters are this rank's shards (1/n of the padded units) and the most units gathered
+    at once (fsdp.resident_peaks: the one in use, the one prefetched and the one the model
+    finishes in the next piece, so up to three layers, and the embedding's units for a
+    whole pass where the stage holds them); gradients the unsharded ones resident at once
+    (one micro-batch: those of the units between their backward and the save of their
+    reduced block; several: all of them, no_sync) and the reduced shards; AdamW's moments
+    of the shards. Units whose size is not a multiple of n (padded) add two gather slots
+    and two reduce-scatter slots of the largest such."""
+    from proxies.transformer.fsdp import (
+        FSDP_INFLIGHT,
+        SLOTS,
+        resident_peaks,
+        shard_units,
+        slot_elements,
+    )
+
+    units = [u for u, _, _ in shard_units(lay) if u.size]
+    shards = sum(u.shard(S.fsdp) for u in units)
+    slot = slot_elements(units, S.fsdp)
+    gathered, grads = resident_peaks(plan, units, S.fsdp, S.m)
+    return {
+        "parameters": F32 * (shards + gathered + SLOTS * slot),
+        "gradients": F32 * (grads + shards + FSDP_INFLIGHT * slot),
+        "optimizer": 2 * F32 * shards,
+    }
+
+
 def estimate(S: Setup, stage: int, dp_rank: int, mode: str, plan: Plan) -> dict[str, int]:
     """Bytes per part of one rank of `stage` (replica dp_rank) under --compute `mode`."""
     if mode in ("real", "replay"):
-        parts = real_parts(S, stage, dp_rank)
+        parts = real_parts(S, stage, dp_rank, plan)
         # StageShard.message, one per key; the sent activation is the saved layer output
         parts["buffers"] += memory.p2p_buffers(plan, ("act_in", "grad_out", "grad_in"))
         return memory.complete(parts, plan)

@@ -96,8 +96,14 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
         # (as GPT-2's classifier keeps dlogits): no second logits matmul.
         head = any(ch.head for ch in self.chunks.values())
         self.keeps_logits = head and S.N * self.Vl * self.dtype.itemsize <= fast.DLOGITS_BUDGET
-        self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
-        self.grads = np.zeros_like(self.params)
+        if S.fsdp:  # FSDP gives a freed unit's pages back to the OS (transformer/fsdp.py)
+            from proxies.core.fsdp import anonymous
+
+            self.params = anonymous(self.layout.dense_size, self.dtype)
+            self.grads = anonymous(self.layout.dense_size, self.dtype)
+        else:
+            self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
+            self.grads = np.zeros_like(self.params)
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
         self.egrads = np.zeros_like(self.eparams)
         self.w = self._views(self.params, self.eparams)
@@ -314,7 +320,7 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
                 ln1, a.ln1_mean, a.ln1_rstd, a.inp, w[p + "ln_1.weight"], w[p + "ln_1.bias"]
             )
         self.k.matmul_forward(a.qkv, ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])
-        self.k.attention_forward(a.atty, a.att, a.qkv, self.NHl)
+        self.k.attention_forward(a.atty, a.att, a.qkv, self.NHl, causal=self.S.cfg.causal)
         out = self._partial_out()
         self.k.matmul_forward(out, a.atty, w[p + "attn.c_proj.weight"], None)
         if self.S.sp:

@@ -413,3 +413,66 @@ def cp_rules(
         "cp_comm": args.cp_comm,
         "cp_reduce": args.cp_grad_reduce or "allreduce",
     }
+
+
+# -- FSDP / ZeRO-3 -------------------------------------------------------------------------
+
+
+def add_fsdp(p: argparse.ArgumentParser) -> None:
+    """--fsdp and --fsdp-shard-size (transformer/fsdp.py); the rules are fsdp_rules'."""
+    g = p.add_argument_group("fully sharded data parallelism (FSDP, ZeRO-3)")
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state over the data-parallel group "
+        "by unit (a layer, the embedding, the rest); each unit all-gathered before its "
+        "forward and again before its backward, the next unit's gather prefetched; its "
+        "gradients reduce-scattered as soon as the last micro-batch's backward is done with "
+        "it; AdamW on this rank's shards",
+    )
+    g.add_argument(
+        "--fsdp-shard-size",
+        type=cli.positive_int,
+        metavar="N",
+        help="with --fsdp: hybrid sharding (HSDP): shard within groups of N consecutive "
+        "data-parallel ranks, replicate over the dp / N groups (the reduced shards "
+        "allreduced across them); default: the whole data-parallel group",
+    )
+
+
+def fsdp_rules(
+    args: argparse.Namespace,
+    dp: int,
+    *,
+    moe: bool = False,
+    cp: int = 1,
+    sp: bool = False,
+    virtual: int = 1,
+    refused: tuple[tuple[str, bool], ...] = (),
+) -> dict:
+    """--fsdp / --fsdp-shard-size checked against the run (UsageError names the rule):
+    Setup's fsdp field. `refused`: the front end's own options that do not combine with
+    FSDP, as (option text, given)."""
+    err = cli.UsageError
+    n = getattr(args, "fsdp_shard_size", None)
+    if not getattr(args, "fsdp", False):
+        if n is not None:
+            raise err(f"--fsdp-shard-size {n} needs --fsdp")
+        return {}
+    if dp < 2:
+        raise err("--fsdp shards over the data-parallel group, and its degree is 1")
+    for what, bad in (
+        *refused,
+        ("--moe-experts", moe),
+        ("--cp > 1", cp > 1),
+        ("--sequence-parallel", sp),
+        (f"--virtual-stages {virtual}", virtual > 1),
+    ):
+        if bad:
+            raise err(f"--fsdp does not combine with {what}")
+    n = dp if n is None else n
+    if n < 2 or dp % n:
+        raise err(
+            f"--fsdp-shard-size {n} must be at least 2 and divide the data-parallel degree {dp}"
+        )
+    return {"fsdp": n}

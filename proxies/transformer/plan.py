@@ -468,6 +468,10 @@ def gpt3_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces: Pie
 def gpt3_plans(S: Setup, grid: ProcessGrid, schedule: str):
     """plan(rank), cached (the dry run and the runtime ask for the same plans again)."""
     pieces = Pieces(S)
+    if S.fsdp:  # FSDP / ZeRO-3: gathers and reduce-scatters per unit (fsdp.py)
+        from proxies.transformer.fsdp import fsdp_plans
+
+        return fsdp_plans(S, grid, schedule, pieces)
 
     @lru_cache(maxsize=1024)
     def plan(rank: int) -> Plan:

@@ -56,6 +56,13 @@ class BufferPool:
                     size[msg.buf] = max(size[msg.buf], msg.count)
                     self.p2p.add(msg.buf)
             elif isinstance(op, Collective):
+                if isinstance(op.buf, str) and op.buf.startswith("fsdp"):
+                    # FSDP (core/fsdp.py): its gather and reduce-scatter slots are named;
+                    # each unit's reduced shard is its own (held until the optimizer)
+                    slot = f"{op.buf}{op.mb}" if op.buf == "fsdp_rshard" else op.buf
+                    self.slot_of[(op.buf, op.mb)] = slot
+                    size[slot] = max(size[slot], op.count)
+                    continue
                 if op.req:
                     slot = f"grad{posted % inflight if inflight else posted}"
                     posted += 1
@@ -82,6 +89,8 @@ class Runtime:
     """Buffers and compute of one rank: a StageShard for real/replay compute, a BufferPool
     for model/none. dp_rank: the rank's replica (its samples; ZeRO-1's block)."""
 
+    Shard: type | None = None  # the real compute's class: model.StageShard unless set (BERT)
+
     def __init__(
         self,
         S: Setup,
@@ -97,7 +106,7 @@ class Runtime:
         self.counts = {(op.buf, op.mb): op.count for op in plan.ops if isinstance(op, Collective)}
         # the context-parallel ring's messages (the pipeline's are S.act)
         self.counts.update({(m.buf, m.mb): m.count for _, m, _ in plan.messages()})
-        self.model = self.pool = None
+        self.model = self.pool = self.fsdp = None
         self.layout = Layout(S, stage)
         self.tensors = {n: (o, o + int(np.prod(s))) for n, s, o in self.layout.dense}
         self.ranges: dict[tuple[str, int], tuple[int, int]] = {}  # GPT-3's buckets, on demand
@@ -110,10 +119,16 @@ class Runtime:
             from proxies.transformer.model import StageShard
 
             cp_rank = plan.coords.get("cp", 0)
-            self.model = StageShard(S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank)
+            self.model = (self.Shard or StageShard)(
+                S, stage, tp_rank, ep_rank, seed=S.seed, cp_rank=cp_rank
+            )
             # the DP (x CP) sum: the global mean's gradient
             self.model.loss_scale = 1.0 / (S.m * S.dp * S.cp)
             self.model.batch = self._batch
+            if S.fsdp:  # ZeRO-3: the shards, gathered into the model per unit (fsdp.py)
+                from proxies.transformer.fsdp import ShardedParams
+
+                self.fsdp = ShardedParams(S, self.model, self.layout, dp_rank % S.fsdp)
         else:
             self.pool = BufferPool(plan, S.inflight)
         self.iteration = 0
@@ -124,6 +139,8 @@ class Runtime:
         if model is None:
             count = self.S.act if name in BufferPool.P2P_SLOTS else self.counts[(name, mb)]
             return self.pool.get(name, mb, count)
+        if self.fsdp is not None and isinstance(name, str) and name.startswith("fsdp"):
+            return self.fsdp.buffer(name, mb)
         if isinstance(name, Span):  # a GPT-2 bucket: a flat range of the gradients
             return model.grads[name.lo : name.hi]
         if name in BufferPool.P2P_SLOTS:
@@ -177,7 +194,12 @@ class Runtime:
     def compute(self, op: Compute, iteration: int) -> None:
         model, name = self.model, op.name
         self.iteration = iteration
-        if name == "optimizer":
+        if self.fsdp is not None and (name == "optimizer" or name.startswith("fsdp_")):
+            if name == "optimizer":
+                self.fsdp.step(self.S.lr, self.S.weight_decay)
+            else:
+                self.fsdp.compute(name, op.mb)
+        elif name == "optimizer":
             model.step(self.S.lr, self.S.weight_decay, self.part)
         elif name == "forward":
             self._loss(model.forward(op.mb, op.chunk))

@@ -149,6 +149,9 @@ class Setup:
     # layers; GPT-2 (config.stage_layout, whose offsets its plans' buckets name): wte, wpe,
     # the layers, ln_f last.
     param_order: tuple[str, ...] = ("wte", "wpe", "ln_f", "layers")  # EXTRAS_FIRST
+    # FSDP / ZeRO-3 (transformer/fsdp.py): the shard group's size, dp for --fsdp, N for
+    # --fsdp-shard-size N (HSDP: replicated over dp / N groups); 0: off.
+    fsdp: int = 0
     # Training (the runtime reads these, not the command line):
     lr: float = 1e-4
     weight_decay: float = 0.0

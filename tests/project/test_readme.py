@@ -37,6 +37,7 @@ SECTIONS = (
     "Examples",
     "Performance of the real compute",
     "GPT-3 proxy",
+    "BERT proxy",
     "CosmoFlow proxy",
     "DLRM proxy",
     "ResNet proxy",

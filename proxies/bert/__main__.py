@@ -1,0 +1,3 @@
+from proxies.bert.proxy import entry
+
+entry()
