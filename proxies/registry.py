@@ -10,14 +10,23 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from proxies import bert, cosmoflow, dlrm, gpt2, gpt3, llama
+from proxies import bert, cosmoflow, dlrm, gpt2, gpt3, llama, resnet
 from proxies.core.spec import Command, ProxySpec
 
 if TYPE_CHECKING:
     from proxies.core.report import Categories
 
 PROXIES: dict[str, ProxySpec] = {
-    s.name: s for s in (gpt2.SPEC, gpt3.SPEC, llama.SPEC, bert.SPEC, cosmoflow.SPEC, dlrm.SPEC)
+    s.name: s
+    for s in (
+        gpt2.SPEC,
+        gpt3.SPEC,
+        llama.SPEC,
+        bert.SPEC,
+        cosmoflow.SPEC,
+        dlrm.SPEC,
+        resnet.SPEC,
+    )
 }
 
 # Runnable, but not proxies a sweep launches: the collectives benchmark's JSON holds rows of

@@ -79,6 +79,7 @@ IGNORE_REQUEST_NAMES = {
     "cosmoflow": False,
     "dlrm": False,
     "bert": False,
+    "resnet": False,
 }
 FULL_OPS = 300_000  # more ops than this over all ranks: dump the folded representatives
 FLOAT_REL = 1e-12

@@ -48,6 +48,7 @@ ENTRY_POINTS = {
     "proxies.gpt3": (lambda: _module("proxies.gpt3.proxy").parser(), []),
     "proxies.cosmoflow": (lambda: _module("proxies.cosmoflow.proxy").parser(), []),
     "proxies.dlrm": (lambda: _module("proxies.dlrm.proxy").parser(), []),
+    "proxies.resnet": (lambda: _module("proxies.resnet.proxy").parser(), []),
     "proxies.collectives": (lambda: _module("proxies.collectives.bench").parser(), []),
     "proxies.calibrate": (lambda: _module("proxies.calibrate.main").parser(), ["-o", "m.yaml"]),
     "benchmarks/gpt2_step.py": (lambda: _bench("gpt2_step").parser(), []),
@@ -88,6 +89,10 @@ ACCEPTED: dict[tuple[str, str], dict[str, float]] = {
     ("proxies.gpt3", "--inflight-buckets"): ZERO,
     ("proxies.cosmoflow", "--momentum"): ZERO,
     ("proxies.dlrm", "--max-rows"): ZERO,
+    **{("proxies.resnet", o): ZERO for o in ("--warmup", "--seed", "--momentum", "--weight-decay")},
+    **{("proxies.resnet", o): {"2.5": 2.5} for o in ("--device-tflops", "--lr")},
+    ("proxies.resnet", "--timeout"): {"0": 0, "2.5": 2.5},
+    ("proxies.resnet", "--bucket-mb"): {"0": 0, "2.5": 2.5},
     # nccl-tests' spellings: --warmup_iters 0, --check 0 (off), --root 0, -I 0 (off), -K 0
     **{
         ("proxies.collectives", o): ZERO
@@ -179,6 +184,7 @@ def test_the_walk_finds_the_options_and_no_bare_types():
     for entry in ("proxies.gpt2", "proxies.gpt3", "proxies.cosmoflow", "proxies.dlrm"):
         assert {"--iters", "--warmup", "--timeout", "--device-tflops", "--lr"} <= found[entry]
     assert {"layers", "stages", "micro_batches"} <= found["proxies.gpt2"]
+    assert {"--batch", "--image-size", "--classes", "--bucket-mb"} <= found["proxies.resnet"]
     assert {"--minbytes", "--stepfactor", "--iters"} <= found["proxies.collectives"]
     assert found["proxies.sweep"] == set()  # no numeric option today: nothing to check
     # every deliberate acceptance names a real option
@@ -236,6 +242,7 @@ E2E = [
     ("proxies.gpt3", ["--micro-batches", "2.0"], "--micro-batches"),
     ("proxies.cosmoflow", ["--momentum", "inf"], "--momentum"),
     ("proxies.dlrm", ["--batch", ""], "--batch"),
+    ("proxies.resnet", ["--image-size", "1e20"], "--image-size"),
     ("proxies.collectives", ["-n", "1e20"], "--iters"),
     ("proxies.calibrate", ["-o", "m.yaml", "--ranks-per-node", "-1"], "--ranks-per-node"),
 ]

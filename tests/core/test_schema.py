@@ -25,8 +25,10 @@ REAL = {
     "cosmoflow": ["--model", "cosmoflow-tiny", "--global-batch", "2", "--shards", "2"]
     + ["--iters", "1", "--warmup", "0"],
     "dlrm": ["--model", "dlrm-tiny", "--iters", "1", "--warmup", "0"],
+    "resnet": ["--iters", "1", "--warmup", "0"],
 }
 DRY = {"gpt2": [], "gpt3": ["--model", "gpt3-tiny"], "cosmoflow": [], "dlrm": []}
+DRY["resnet"] = ["--model", "resnet50"]
 
 
 def git_describe() -> str:

@@ -104,6 +104,7 @@ def test_wheel_holds_the_package_configs_schema_licence_and_scripts(installed):
     for s in ("proxies", "proxies-gpt2", "proxies-gpt3", "proxies-cosmoflow", "proxies-dlrm"):
         assert f"\n{s} = " in scripts
     assert "\nproxies-llama = " in scripts
+    assert "\nproxies-resnet = proxies.resnet.proxy:entry" in scripts
 
 
 @pytest.mark.mpi

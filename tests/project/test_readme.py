@@ -41,6 +41,7 @@ SECTIONS = (
     "LLaMA and Mixtral proxy",
     "CosmoFlow proxy",
     "DLRM proxy",
+    "ResNet proxy",
     "Allreduce algorithms",
     "Scaling sweeps",
 )

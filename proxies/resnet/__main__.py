@@ -1,0 +1,3 @@
+from proxies.resnet.proxy import entry
+
+entry()
