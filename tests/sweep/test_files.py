@@ -205,7 +205,7 @@ def test_runs_inherit_top_level_and_a_misspelt_proxy_is_an_error(tmp_path):
     # Not every point skipped with exit 0: the file is wrong, and the message says how.
     msg = error(tmp_path, TINY + "runs:\n  - args: {layers: 1}\n  - proxy: gtp2\n")
     assert msg == "runs[1].proxy: no proxy 'gtp2' (did you mean gpt2? proxies: " + (
-        "bert, cosmoflow, dlrm, gpt2, gpt3, resnet)"
+        "bert, cosmoflow, dlrm, gpt2, gpt3, llama, resnet)"
     )
     msg = error(tmp_path, TINY.replace("gpt2", "zzz"))
     assert msg.startswith("proxy: no proxy 'zzz' (proxies:")
