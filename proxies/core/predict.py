@@ -86,7 +86,19 @@ def chooser(machine, allreduce: str = "mpi") -> Callable[[str, int], str]:
             return allreduce
         return mpi_algorithm(machine, kind, nbytes)
 
+    # the MPI library runs it (its temporaries may be fresh memory), or our program does
+    pick.library = lambda kind: kind != "allreduce" or allreduce == "mpi"  # type: ignore[attr-defined]
     return pick
+
+
+def fault_seconds_per_byte(machine, library: bool, nbytes: int) -> float:
+    """Extra seconds per reduced byte of a collective of nbytes: MPI's temporary (as large
+    as the message) is a fresh mapping above fresh_memory.above, and every received byte
+    it reduces is faulted in first at fresh_memory.rate. 0 for our own programs (their
+    buffers are kept) and below the threshold (glibc reuses the heap)."""
+    if not library or machine.fresh_above is None or not machine.fault_rate:
+        return 0.0
+    return 1.0 / machine.fault_rate if nbytes > machine.fresh_above else 0.0
 
 
 @dataclass
@@ -139,11 +151,14 @@ class _Msg:
 class _Instance:
     """The n-th collective on one group: who posted when, who finished when."""
 
-    __slots__ = ("key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then")
+    __slots__ = (
+        "key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then", "fault",
+    )  # fmt: skip
 
     def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
         self.key, self.members, self.op, self.alg = key, members, op, alg
         self.expected, self.folded = expected, folded
+        self.fault = 0.0  # extra seconds per reduced byte (fresh temporaries)
         self.posts: dict[int, float] = {}  # simulated member -> post time
         self.ends: dict[int, float] = {}  # simulated member -> its end
         self.then: dict[int, Callable[[float], None]] = {}  # member -> what its end does
@@ -173,6 +188,10 @@ class _Predictor:
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
         self.rep_of, self.keep_spans = rep_of, keep_spans
         self.reduce_bw = topo.machine.reduce_bandwidth
+        self.op_overhead = topo.op_overhead  # the engine's own seconds per op
+        self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
+        library = getattr(algorithm, "library", None)
+        self.library: Callable[[str], bool] = library or (lambda kind: False)
         self.flows = Flows(topo.capacity)
         self.events: list = []
         self.seq = 0
@@ -249,8 +268,14 @@ class _Predictor:
         """Run rank r from its current op at self.now until it blocks or finishes."""
         ops, pc, t = self.plans[r].ops, self.pc[r], self.now
         book, spans = self.book[r], self.spans[r]
+        oh = self.op_overhead
         while pc < len(ops):
             op = ops[pc]
+            if oh and self.charged[r] != pc:
+                # the engine's own time before each op (booked as the engine books it)
+                self.charged[r] = pc
+                book["overhead"] += oh
+                t += oh
             if type(op) is Compute:
                 d = self.compute(r, op)
                 book[op.category] += d
@@ -450,6 +475,7 @@ class _Predictor:
             inst = self.instances[key] = _Instance(
                 key, members, op, alg, inside, inside < len(members)
             )
+            inst.fault = fault_seconds_per_byte(self.topo.machine, self.library(op.kind), op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
             raise PlanError(
                 f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "
@@ -526,7 +552,7 @@ class _Predictor:
                     return
                 pos += 1
             elif what == "reduce":
-                d = ev[1] * isz / self.reduce_bw
+                d = ev[1] * isz * (1 / self.reduce_bw + inst.fault)
                 pos += 1
                 if d > 0:
                     self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done))
@@ -544,7 +570,7 @@ class _Predictor:
                 self._member_done(inst, q, t)
             return
         ph, members, topo = phases[k], inst.members, self.topo
-        tail = ph.latency + ph.reduce_bytes / self.reduce_bw
+        tail = ph.latency + ph.reduce_bytes * (1 / self.reduce_bw + inst.fault)
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
         if inst.folded and flows:
             # Folded: a flow between two nodes holding no simulated rank is an image of one
