@@ -116,7 +116,8 @@ def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
     before = {p: _get(m, p) for p in _params(m)}
     m, start, best = _search(m, _params(m), measured, n, rpn)
     residuals = _residuals(m, measured, n, rpn)
-    m = replace(m, mpi={"allreduce": mpi_table(m, measured.get("mpi", []), n, rpn)})
+    table = mpi_table(m, measured.get("mpi", []), n, rpn)
+    m = replace(m, mpi={"allreduce": table} if table else {})  # none measured: MPICH's
     record = {
         "from_pingpong": before,
         "fitted": {p: _get(m, p) for p in _params(m)},

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": sig(seconds),
         "bandwidth": sig(node_bw),
     }
+    node_bw = node_bw or None  # one active rank per node: no pair to measure
     crowded_node_bw = None
     if crowded:
         crowded_node_bw, flows, seconds = measure.node_exchange(
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ar_sizes = measure.QUICK_ALLREDUCE_SIZES if quick else measure.ALLREDUCE_SIZES
     say(f"  allreduce algorithms on {calm_rpn * nodes} rank(s) ...", flush=True)
     times = {}
-    if active:
+    pair = calm_rpn * nodes >= 2  # the first regime has ranks to exchange
+    if active and pair:
         times = measure.allreduce_measurements(
             calm,
             MPI,
@@ -300,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)
     fresh_sizes = measure.QUICK_FRESH_SIZES if quick else measure.FRESH_SIZES
     fresh_points, rates = [], []
-    if active:
+    if active and pair:
         fresh_points = measure.mpi_fresh(calm, MPI, fresh_sizes, 2 if quick else 3)
+    if active:
         rates = measure.fault_rates(calm, MPI, calm.Barrier, (16 if quick else 64) << 20, reps)
     idle()
     fresh_points, rates = comm.bcast((fresh_points, rates), root=0)
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         mpi={},
         unmeasured=tuple(unmeasured),
         calibration=calibration,
-        node_bandwidth=sig(node_bw),
+        node_bandwidth=sig(node_bw) if node_bw else None,
         fresh_above=above,
         fault_rate=sig(fault_rate) if above is not None else None,
         op_overhead=sig(op_overhead) if op_overhead > 0 else 0.0,
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         from proxies.calibrate.fit import fit
 
         say("  fitting the network figures to the allreduces through the predictor ...", flush=True)
-        m, record = fit(m, times, calm_rpn * nodes, calm_rpn)
+        m, record = fit(m, times, calm_rpn * nodes, calm_rpn)  # ping-pong alone if no times
         m.calibration["fit"] = {
             "from_pingpong": {k: sig(v) for k, v in record["from_pingpong"].items()},
             "fitted": {k: sig(v) for k, v in record["fitted"].items()},
@@ -373,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  fit: rms of log(predicted / measured) over the allreduces "
             f"{record['rms_log_error_before']:.2f} (ping-pong figures) -> "
             f"{record['rms_log_error_after']:.2f}; MPI's allreduce follows "
-            + ", ".join(
-                f"{alg} up to {b} B" if b < 2**63 else f"{alg} above"
-                for b, alg in m.mpi["allreduce"]
+            + (
+                ", ".join(
+                    f"{alg} up to {b} B" if b < 2**63 else f"{alg} above"
+                    for b, alg in m.mpi.get("allreduce", [])
+                )
+                or "MPICH's defaults (not measured)"
             ),
             flush=True,
         )
@@ -529,8 +535,25 @@ def summary(m: Machine, topo: Topology, share: float) -> None:
     )
     largest = {k: v[-1] for k, v in c["allreduce"].items()}
     words = ", ".join(f"{k} {v[1] * 1e6:.0f} us" for k, v in largest.items())
-    size = next(iter(largest.values()))[0]
-    print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    if largest:
+        size = next(iter(largest.values()))[0]
+        print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    if m.oversub is not None:
+        print(
+            f"  oversubscribed  latency {q(m.oversub.latency, 'time')}, bandwidth "
+            f"{q(m.oversub.bandwidth, 'bandwidth')}"
+            + (
+                f" (node {q(m.oversub_node_bandwidth, 'bandwidth')})"
+                if m.oversub_node_bandwidth
+                else ""
+            )
+        )
+    if m.fresh_above is not None:
+        print(
+            f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
+            f"at {q(m.fault_rate, 'bandwidth')}"
+        )
+    print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
     missing = [u for u in m.unmeasured]
     print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
 
