@@ -495,8 +495,9 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
     if m.op_overhead:
         out["engine"] = (
             "the engine's own seconds per plan op (an iteration less its ops' own times, as "
-            "runs book `overhead`): a plan alternating an empty compute and a 1-element "
-            "allreduce through the real engine, spinning waits"
+            "runs book `overhead`): a plan of a non-blocking 1-element allreduce pending "
+            "under two empty computes, its wait and a blocking 1-element allreduce, over "
+            "and over, through the real engine on the active ranks, spinning waits"
         )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")
