@@ -149,12 +149,18 @@ def fit_oversubscribed(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Ma
     return m, record
 
 
+# The allreduce algorithms MPICH has (recursive doubling, Rabenseifner's reduce-scatter +
+# allgather, ring, k-nomial tree): MPI's own is matched among these only; naive, dbtree
+# (NCCL's) and hier are ours.
+MPICH_ALLREDUCE = ("rd", "rhd", "ring", "tree")
+
+
 def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
     """For each measured size of MPI's allreduce, the algorithm whose fitted prediction is
     closest; consecutive sizes with the same answer merged, the last open-ended."""
     from proxies.core.collectives import steps
 
-    algs = [a for a in steps.algorithms("allreduce") if a != "hier"]
+    algs = [a for a in steps.algorithms("allreduce") if a in MPICH_ALLREDUCE]
     table: list[tuple[int, str]] = []
     for size, t in points:
         if t <= 0:
