@@ -290,6 +290,56 @@ def fresh_above(points: Sequence[tuple[int, float]]) -> int | None:
     return None
 
 
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt; False where there is none (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+    except (OSError, AttributeError):
+        return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def mpi_fault_rate(comm, MPI, size: int, faulted: float, reps: int) -> dict | None:
+    """The rate at which MPI's own temporaries fault in, from MPI itself: an in-place
+    MPI_Allreduce of `size` bytes (per rank) timed as glibc serves it (a fresh mapping every
+    call, `faulted` bytes of faults), then again after mallopt moves the mmap threshold
+    above it and stops heap trimming (the temporary is then reused heap, no faults):
+    faulted / (the first time - the second). Medians of `reps` calls, slowest rank. Ends
+    with glibc's thresholds raised in this process: call it last. None without glibc's
+    mallopt or when the difference is not positive (noise)."""
+    buf = np.zeros(size // 4, dtype=np.float32)
+
+    def timed() -> float:
+        for _ in range(2):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+        return statistics.median(times)
+
+    fresh = timed()
+    ok = _mallopt(M_MMAP_THRESHOLD, 1 << 30) and _mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    if not comm.allreduce(ok, op=MPI.LAND):
+        return None
+    heap = timed()
+    f0 = _minor_faults()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    left = comm.allreduce((_minor_faults() - f0) * PAGE, op=MPI.MAX)
+    out = {"bytes": size, "fresh_s": fresh, "heap_s": heap, "heap_faulted": left}
+    if fresh <= heap or faulted <= 0:
+        return out | {"rate": None}
+    return out | {"rate": faulted / (fresh - heap)}
+
+
 def fault_rates(comm, MPI, barrier: Callable[[], None], nbytes: int, reps: int) -> list[float]:
     """Bytes per second at which fresh memory is faulted in, per rank, every rank at once:
     the time to fill a new anonymous mapping of nbytes (4 KiB pages, as glibc's mmap gives
