@@ -30,7 +30,9 @@ spent in it (the last to arrive waits least), the rest of each member's time idl
 non-blocking collective's or P2P batch's exposed time is its Wait, and the time it ran under
 other work is <category>_hidden (not part of the sum): a non-blocking batch's messages are
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
-after its last op a rank is idle until the end.
+after its last op a rank is idle until the end. With the machine's engine.op_overhead
+(or oversubscribed.op_overhead on a crowded node) every op first costs that much on its
+rank, booked as overhead, as the engine books its own time between ops.
 """
 
 from __future__ import annotations
