@@ -281,7 +281,8 @@ def mpi_fresh(comm, MPI, sizes: Sequence[int], reps: int) -> list[tuple[int, flo
 def fresh_above(points: Sequence[tuple[int, float]]) -> int | None:
     """The size above which MPI's temporaries are fresh: the largest measured size whose
     calls faulted in less than an eighth of the message, below the first that faulted in
-    more (None: no measured size did)."""
+    more (None: no measured size did; half the smallest size when even that faulted, the
+    threshold then lies below what was measured and that is said in the file)."""
     below = None
     for size, faulted in points:
         if faulted > size / 8:
