@@ -56,6 +56,15 @@ def _set(m: Machine, name: str, value: float) -> Machine:
     return replace(m, **{name: value})
 
 
+def _unbind(m: Machine, flow: str, node: str) -> Machine:
+    """A flow's bandwidth above its node's is not seen by any prediction (the node's bus
+    caps every flow, and every rank's port, at least as tightly), so the search may leave
+    it anywhere above (156 GB/s once): cap it at the node's, which prices the same."""
+    if _get(m, node) and _get(m, flow) > _get(m, node):
+        return _set(m, flow, _get(m, node))
+    return m
+
+
 def predictions(
     m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False
 ) -> dict[str, list[float]]:
@@ -115,6 +124,7 @@ def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
     seconds)]}), and a record: the figures before and after, the cost, every residual."""
     before = {p: _get(m, p) for p in _params(m)}
     m, start, best = _search(m, _params(m), measured, n, rpn)
+    m = _unbind(m, "intra.bandwidth", "node_bandwidth")
     residuals = _residuals(m, measured, n, rpn)
     table = mpi_table(m, measured.get("mpi", []), n, rpn)
     m = replace(m, mpi={"allreduce": table} if table else {})  # none measured: MPICH's
@@ -139,6 +149,7 @@ def fit_oversubscribed(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Ma
     params = [p for p in OVERSUB_PARAMS if _get(m, p)]
     before = {p: _get(m, p) for p in params}
     m, start, best = _search(m, params, measured, n, rpn, with_mpi=True)
+    m = _unbind(m, "oversub.bandwidth", "oversub_node_bandwidth")
     record = {
         "start": before,
         "fitted": {p: _get(m, p) for p in params},

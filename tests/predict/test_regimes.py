@@ -201,3 +201,19 @@ def test_op_overhead_is_charged_per_op_and_booked_as_overhead():
     assert math.isclose(
         run(replace(crowded, oversub_op_overhead=None)).breakdown[0]["overhead"], 15e-6
     )
+
+
+def test_fit_caps_a_flow_bandwidth_no_prediction_sees_at_the_nodes():
+    """A flow bandwidth above the node's is invisible (the bus caps every flow): the fit
+    caps it there, and every prediction stays what it was."""
+    from proxies.calibrate.fit import _unbind
+
+    wild = replace(machine(rpn=4, intra=156e9, lat=4e-6), cores_per_node=4, node_bandwidth=41e9)
+    capped = _unbind(wild, "intra.bandwidth", "node_bandwidth")
+    assert capped.intra == Level(4e-6, 41e9)
+    assert _unbind(capped, "intra.bandwidth", "node_bandwidth") == capped
+    for alg in ("ring", "rhd", "tree", "naive"):
+        for n in (2, 3, 4):
+            a = collective_seconds(wild, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
+            b = collective_seconds(capped, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
+            assert math.isclose(a, b, rel_tol=1e-12), (alg, n)
