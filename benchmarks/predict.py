@@ -287,7 +287,27 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
     if m.matmul_flops:
         parts.append(f"matmul {m.matmul_flops / g:.3g} GFLOP/s")
     if m.mpi:
-        parts.append("mpi " + ", ".join(sorted(m.mpi)))
+        parts.append(
+            "mpi "
+            + "; ".join(
+                f"{k} " + ", ".join(f"{a} to {s}" if s < 2**63 else f"{a} above" for s, a in v)
+                for k, v in sorted(m.mpi.items())
+            )
+        )
+    if m.oversub is not None:
+        parts.append(
+            f"oversubscribed {m.oversub.latency * 1e6:.3g} us, {m.oversub.bandwidth / g:.3g} GB/s"
+            + (
+                f" (node {m.oversub_node_bandwidth / g:.3g} GB/s)"
+                if m.oversub_node_bandwidth
+                else ""
+            )
+            + (f", {m.oversub_op_overhead * 1e6:.3g} us/op" if m.oversub_op_overhead else "")
+        )
+    if m.fresh_above is not None:
+        parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
+    if m.op_overhead:
+        parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op")
     return " · ".join(parts), m.inter is None
 
 

@@ -209,6 +209,9 @@ def run_mpich_kinds(count, wait):
     want = np.concatenate([X[j][r * count : (r + 1) * count] for j in range(n)])
     assert np.array_equal(buf, want), f"alltoall pairwise n={n} count={count}"
     buf = X[r].copy()
+    run("alltoall", "inplace", comm, buf, wait)
+    assert np.array_equal(buf, want), f"alltoall inplace n={n} count={count}"
+    buf = X[r].copy()
     run("bcast", "binomial", comm, buf, wait)
     assert np.array_equal(buf, X[0]), f"bcast binomial n={n}"
     buf = X[r].copy()

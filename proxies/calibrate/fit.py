@@ -10,6 +10,12 @@ those measurements right: least squares on log(predicted / measured) over every
 algorithm and size, by coordinate search in log space from the ping-pong figures. The
 residual of every point is kept in the file. Then each measured size of MPI's own
 allreduce is matched to the algorithm the fitted model predicts closest: the `mpi:` table.
+
+Where ranks outnumber cores, calibrate fits twice: the figures above to allreduces on as
+many ranks per node as cores (the rest parked in a sleeping wait), then the `oversubscribed`
+figures (latency, bandwidth, node bandwidth) to allreduces on every rank with the runs'
+yielding waits, MPI's own included (priced through the `mpi:` table, fresh temporaries and
+all): `fit_oversubscribed`.
 """
 
 from __future__ import annotations
@@ -50,54 +56,78 @@ def _set(m: Machine, name: str, value: float) -> Machine:
     return replace(m, **{name: value})
 
 
-def predictions(m: Machine, measured: dict, n: int, rpn: int) -> dict[str, list[float]]:
-    """Predicted seconds of every measured (alg, size); float32 buffers."""
+def _unbind(m: Machine, flow: str, node: str) -> Machine:
+    """A flow's bandwidth above its node's is not seen by any prediction (the node's bus
+    caps every flow, and every rank's port, at least as tightly), so the search may leave
+    it anywhere above (156 GB/s once): cap it at the node's, which prices the same."""
+    if _get(m, node) and _get(m, flow) > _get(m, node):
+        return _set(m, flow, _get(m, node))
+    return m
+
+
+def predictions(
+    m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False
+) -> dict[str, list[float]]:
+    """Predicted seconds of every measured (alg, size); float32 buffers. MPI's own ("mpi")
+    only with_mpi (it is priced through the machine's `mpi:` table)."""
     return {
         alg: [
             collective_seconds(m, "allreduce", alg, n, max(size // 4, 1), "float32", rpn)
             for size, _ in points
         ]
         for alg, points in measured.items()
-        if alg != "mpi"
+        if with_mpi or alg != "mpi"
     }
 
 
-def _cost(m: Machine, measured: dict, n: int, rpn: int) -> float:
-    pred = predictions(m, measured, n, rpn)
+def _cost(m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False) -> float:
+    pred = predictions(m, measured, n, rpn, with_mpi)
     errs = [
         math.log(p / t) ** 2
         for alg, points in measured.items()
-        if alg != "mpi"
+        if alg in pred
         for (_, t), p in zip(points, pred[alg], strict=True)
         if t > 0 and p > 0
     ]
     return sum(errs) / max(len(errs), 1)
 
 
-def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
-    """The machine with its network figures fitted to `measured` ({alg: [(bytes,
-    seconds)]}), and a record: the figures before and after, the cost, every residual."""
-    before = {p: _get(m, p) for p in _params(m)}
-    best = _cost(m, measured, n, rpn)
+def _search(m: Machine, params, measured, n, rpn, with_mpi=False) -> tuple[Machine, float, float]:
+    """Coordinate search in log space over `params`: (machine, cost before, cost after)."""
+    best = _cost(m, measured, n, rpn, with_mpi)
     start = best
     for factor in FACTORS:
         improved = True
         while improved:
             improved = False
-            for p in _params(m):
+            for p in params:
                 for f in (factor, 1 / factor):
                     trial = _set(m, p, _get(m, p) * f)
-                    c = _cost(trial, measured, n, rpn)
+                    c = _cost(trial, measured, n, rpn, with_mpi)
                     if c < best * (1 - 1e-9):
                         m, best, improved = trial, c, True
                         break
-    pred = predictions(m, measured, n, rpn)
-    residuals = {
+    return m, start, best
+
+
+def _residuals(m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False) -> dict:
+    pred = predictions(m, measured, n, rpn, with_mpi)
+    return {
         alg: [[size, t, p, (p - t) / t] for (size, t), p in zip(points, pred[alg], strict=True)]
         for alg, points in measured.items()
-        if alg != "mpi"
+        if alg in pred
     }
-    m = replace(m, mpi={"allreduce": mpi_table(m, measured.get("mpi", []), n, rpn)})
+
+
+def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
+    """The machine with its network figures fitted to `measured` ({alg: [(bytes,
+    seconds)]}), and a record: the figures before and after, the cost, every residual."""
+    before = {p: _get(m, p) for p in _params(m)}
+    m, start, best = _search(m, _params(m), measured, n, rpn)
+    m = _unbind(m, "intra.bandwidth", "node_bandwidth")
+    residuals = _residuals(m, measured, n, rpn)
+    table = mpi_table(m, measured.get("mpi", []), n, rpn)
+    m = replace(m, mpi={"allreduce": table} if table else {})  # none measured: MPICH's
     record = {
         "from_pingpong": before,
         "fitted": {p: _get(m, p) for p in _params(m)},
@@ -108,12 +138,40 @@ def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
     return m, record
 
 
+OVERSUB_PARAMS = ("oversub.latency", "oversub.bandwidth", "oversub_node_bandwidth")
+
+
+def fit_oversubscribed(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
+    """The machine with its `oversubscribed` figures fitted to `measured`, allreduces on
+    every rank of nodes holding more ranks than cores (rpn > m.cores_per_node), MPI's own
+    included; m.oversub and m.oversub_node_bandwidth are the starting point. Same record
+    as fit's."""
+    params = [p for p in OVERSUB_PARAMS if _get(m, p)]
+    before = {p: _get(m, p) for p in params}
+    m, start, best = _search(m, params, measured, n, rpn, with_mpi=True)
+    m = _unbind(m, "oversub.bandwidth", "oversub_node_bandwidth")
+    record = {
+        "start": before,
+        "fitted": {p: _get(m, p) for p in params},
+        "rms_log_error_before": math.sqrt(start),
+        "rms_log_error_after": math.sqrt(best),
+        "residuals": _residuals(m, measured, n, rpn, with_mpi=True),
+    }
+    return m, record
+
+
+# The allreduce algorithms MPICH has (recursive doubling, Rabenseifner's reduce-scatter +
+# allgather, ring, k-nomial tree): MPI's own is matched among these only; naive, dbtree
+# (NCCL's) and hier are ours.
+MPICH_ALLREDUCE = ("rd", "rhd", "ring", "tree")
+
+
 def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
     """For each measured size of MPI's allreduce, the algorithm whose fitted prediction is
     closest; consecutive sizes with the same answer merged, the last open-ended."""
     from proxies.core.collectives import steps
 
-    algs = [a for a in steps.algorithms("allreduce") if a != "hier"]
+    algs = [a for a in steps.algorithms("allreduce") if a in MPICH_ALLREDUCE]
     table: list[tuple[int, str]] = []
     for size, t in points:
         if t <= 0:
@@ -122,7 +180,10 @@ def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
         alg = min(
             algs,
             key=lambda a: abs(
-                math.log(collective_seconds(m, "allreduce", a, n, count, "float32", rpn) / t)
+                math.log(
+                    collective_seconds(m, "allreduce", a, n, count, "float32", rpn, library=True)
+                    / t
+                )
             ),
         )
         if table and table[-1][1] == alg:

@@ -7,6 +7,12 @@ and add rates with every rank of a node busy at once; each allreduce algorithm o
 proxies.collectives at a few sizes. Rank 0 writes the file (proxies.core.machine.dump),
 with what was measured how in comments and the raw points and fit residuals under
 `calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
+
+Two regimes where a node has more ranks than cores: the figures the file has for every run
+(intra_node, node_bandwidth, the allreduce fit, MPI's fresh temporaries, the engine's cost
+per op) are measured with only as many ranks per node active as cores, the others parked
+in a sleeping wait; then the `oversubscribed` figures with every rank active and the runs'
+yielding waits. The predictor applies the second only to runs that crowd a node so.
 """
 
 from __future__ import annotations
@@ -180,6 +186,20 @@ def main(argv: list[str] | None = None) -> int:
         calibration["notes"] = topo.notes
     first = {q: topo.node_of.index(q) for q in sizes}
 
+    # -- who is active in the first regime: as many ranks per node as cores
+    crowded = topo.ranks_per_node > topo.cores_per_node
+    position = [topo.node_of[:q].count(topo.node_of[q]) for q in range(n)]
+    active = position[r] < topo.cores_per_node
+    calm = comm.Split(0 if active else MPI.UNDEFINED, r)
+    calm_rpn = min(topo.ranks_per_node, topo.cores_per_node)
+    calm_nodes = [topo.node_of[q] if position[q] < calm_rpn else -1 for q in range(n)]
+    if crowded:
+        say(
+            f"  ranks outnumber cores: {calm_rpn} rank(s) per node measure first, the rest "
+            f"parked; then all {topo.ranks_per_node} (the oversubscribed figures)",
+            flush=True,
+        )
+
     # -- point to point within a node, then across nodes
     a = first[pairs[0]]
     b = topo.node_of.index(pairs[0], a + 1)
@@ -189,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     size = (1 if quick else 16) << 20
     say(f"  every rank of node 0 exchanging {size >> 20} MiB at once ...", flush=True)
     node_bw, flows, seconds = measure.node_exchange(
-        comm, MPI, idle, topo.node_of, size, 2 if quick else 5
+        comm, MPI, idle, calm_nodes, size, 2 if quick else 5
     )
     calibration["node"] = {
         "flows": flows,
@@ -197,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": sig(seconds),
         "bandwidth": sig(node_bw),
     }
+    node_bw = node_bw or None  # one active rank per node: no pair to measure
+    crowded_node_bw = None
+    if crowded:
+        crowded_node_bw, flows, seconds = measure.node_exchange(
+            comm, MPI, idle, topo.node_of, size, 2 if quick else 5
+        )
+        calibration["oversubscribed_node"] = {
+            "flows": flows,
+            "bytes_each": size,
+            "seconds": sig(seconds),
+            "bandwidth": sig(crowded_node_bw),
+        }
     inter, nic = None, None
     if nodes >= 2:
         a, b = first[0], first[1]
@@ -232,20 +264,89 @@ def main(argv: list[str] | None = None) -> int:
         "shared_cores_factor": sig(share),
     }
 
-    # -- allreduce algorithms on the whole world
-    say("  allreduce algorithms ...", flush=True)
-    yielding = topo.crowded
-    times = measure.allreduce_measurements(
-        comm,
-        MPI,
-        measure.QUICK_ALLREDUCE_SIZES if quick else measure.ALLREDUCE_SIZES,
-        reps=reps,
-        warmup=1 if quick else 2,
-        wait=waiter.waitall if yielding else None,
-        barrier=idle if yielding else comm.Barrier,
-        ranks_per_node=rpn,
-    )
+    # -- allreduce algorithms: the active ranks (spinning waits), then everyone (yielding)
+    ar_sizes = measure.QUICK_ALLREDUCE_SIZES if quick else measure.ALLREDUCE_SIZES
+    say(f"  allreduce algorithms on {calm_rpn * nodes} rank(s) ...", flush=True)
+    times = {}
+    pair = calm_rpn * nodes >= 2  # the first regime has ranks to exchange
+    if active and pair:
+        times = measure.allreduce_measurements(
+            calm,
+            MPI,
+            ar_sizes,
+            reps=reps,
+            warmup=1 if quick else 2,
+            ranks_per_node=calm_rpn if rpn else None,
+        )
+    idle()
+    times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
+    crowded_times = None
+    if crowded:
+        say(f"  allreduce algorithms on all {n} ranks, yielding waits ...", flush=True)
+        crowded_times = measure.allreduce_measurements(
+            comm,
+            MPI,
+            ar_sizes,
+            reps=reps,
+            warmup=1 if quick else 2,
+            wait=waiter.waitall,
+            barrier=idle,
+            ranks_per_node=rpn,
+        )
+        calibration["oversubscribed_allreduce"] = {
+            k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
+        }
+
+    # -- MPI's temporaries: when fresh (page faults counted), and the fault rate
+    say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)
+    fresh_sizes = measure.QUICK_FRESH_SIZES if quick else measure.FRESH_SIZES
+    fresh_points, rates = [], []
+    if active and pair:
+        fresh_points = measure.mpi_fresh(calm, MPI, fresh_sizes, 2 if quick else 3)
+    if active:
+        rates = measure.fault_rates(calm, MPI, calm.Barrier, (16 if quick else 64) << 20, reps)
+    idle()
+    fresh_points, rates = comm.bcast((fresh_points, rates), root=0)
+    above = measure.fresh_above(fresh_points)
+    fill_rate = statistics.median(rates)
+    calibration["fresh_memory"] = {
+        "faulted_per_call": [[s, int(b)] for s, b in fresh_points],
+        "fill_rate": sig(fill_rate),
+    }
+
+    # -- the engine's own cost per op, in each regime
+    say("  the engine's own cost per op ...", flush=True)
+    ops, iters = (40, 3) if quick else (200, 5)
+    op_overhead = 0.0
+    if active and calm.size > 1:
+        op_overhead = measure.engine_overhead(calm, MPI, ops, iters, "spin")
+    idle()
+    op_overhead = comm.bcast(op_overhead, root=0)
+    crowded_overhead = None
+    if crowded:
+        crowded_overhead = measure.engine_overhead(comm, MPI, ops, iters, "yield")
+    calibration["engine"] = {"ops": ops, "op_overhead": sig(op_overhead)}
+    if crowded_overhead is not None:
+        calibration["engine"]["oversubscribed_op_overhead"] = sig(crowded_overhead)
+    # -- last (it leaves glibc's thresholds raised): the fault rate MPI itself sees
+    fault_rate = fill_rate
+    if above is not None:
+        size, faulted = fresh_points[-1]
+        from_mpi = None
+        if active:
+            from_mpi = measure.mpi_fault_rate(calm, MPI, size, faulted, 3 if quick else 5)
+        idle()
+        from_mpi = comm.bcast(from_mpi, root=0)
+        if from_mpi is not None:
+            calibration["fresh_memory"]["from_mpi"] = {
+                k: (sig(v) if isinstance(v, float) else v) for k, v in from_mpi.items()
+            }
+            if from_mpi.get("rate"):
+                fault_rate = from_mpi["rate"]
+    calibration["fresh_memory"]["fault_rate"] = sig(fault_rate)
+    if calm != MPI.COMM_NULL:
+        calm.Free()
     calibration["seconds"] = sig(time.time() - t_start, 3)
 
     unmeasured = (["inter_node"] if inter is None else []) + ["compute.device", "switch"]
@@ -266,14 +367,17 @@ def main(argv: list[str] | None = None) -> int:
         mpi={},
         unmeasured=tuple(unmeasured),
         calibration=calibration,
-        node_bandwidth=sig(node_bw),
+        node_bandwidth=sig(node_bw) if node_bw else None,
+        fresh_above=above,
+        fault_rate=sig(fault_rate) if above is not None else None,
+        op_overhead=sig(op_overhead) if op_overhead > 0 else 0.0,
     )
     error = None
     if r == 0:
         from proxies.calibrate.fit import fit
 
         say("  fitting the network figures to the allreduces through the predictor ...", flush=True)
-        m, record = fit(m, times, n, topo.ranks_per_node)
+        m, record = fit(m, times, calm_rpn * nodes, calm_rpn)  # ping-pong alone if no times
         m.calibration["fit"] = {
             "from_pingpong": {k: sig(v) for k, v in record["from_pingpong"].items()},
             "fitted": {k: sig(v) for k, v in record["fitted"].items()},
@@ -288,12 +392,48 @@ def main(argv: list[str] | None = None) -> int:
             f"  fit: rms of log(predicted / measured) over the allreduces "
             f"{record['rms_log_error_before']:.2f} (ping-pong figures) -> "
             f"{record['rms_log_error_after']:.2f}; MPI's allreduce follows "
-            + ", ".join(
-                f"{alg} up to {b} B" if b < 2**63 else f"{alg} above"
-                for b, alg in m.mpi["allreduce"]
+            + (
+                ", ".join(
+                    f"{alg} up to {b} B" if b < 2**63 else f"{alg} above"
+                    for b, alg in m.mpi.get("allreduce", [])
+                )
+                or "MPICH's defaults (not measured)"
             ),
             flush=True,
         )
+        if crowded:
+            from dataclasses import replace
+
+            from proxies.calibrate.fit import fit_oversubscribed
+
+            say("  fitting the oversubscribed figures to the allreduces on every rank ...")
+            m = replace(
+                m,
+                oversub=m.intra,
+                oversub_node_bandwidth=sig(crowded_node_bw),
+                oversub_op_overhead=sig(crowded_overhead) if crowded_overhead else None,
+            )
+            m, over = fit_oversubscribed(m, crowded_times, n, topo.ranks_per_node)
+            m = replace(
+                m,
+                oversub=Level(sig(m.oversub.latency), sig(m.oversub.bandwidth)),
+                oversub_node_bandwidth=sig(m.oversub_node_bandwidth),
+            )
+            m.calibration["oversubscribed_fit"] = {
+                "start": {k: sig(v) for k, v in over["start"].items()},
+                "fitted": {k: sig(v) for k, v in over["fitted"].items()},
+                "rms_log_error_before": sig(over["rms_log_error_before"], 3),
+                "rms_log_error_after": sig(over["rms_log_error_after"], 3),
+                "residuals": {
+                    alg: [[b, sig(t), sig(p), sig(e, 3)] for b, t, p, e in rows]
+                    for alg, rows in over["residuals"].items()
+                },
+            }
+            say(
+                f"  oversubscribed fit: rms of log(predicted / measured) "
+                f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
+                flush=True,
+            )
         summary(m, topo, share)
         # A minute of measuring is not lost to a full disk: save falls back and says where.
         text = dumps(m, comments(m, topo, share, quick))
@@ -351,6 +491,32 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
             "cores): the predictor's slowdown by that factor gives the measurement back. "
             "Memory and reduce likewise"
         )
+    if m.oversub is not None:
+        out["oversubscribed"] = (
+            f"Ranks outnumber cores ({topo.ranks_per_node} per node on {topo.cores_per_node}): "
+            "the figures above were measured with only as many ranks per node active as "
+            "cores, the rest parked in a sleeping wait. These, which the predictor uses "
+            "instead for runs that crowd a node so, are fitted to allreduces on every rank "
+            "with yielding waits, MPI's own included (calibration.oversubscribed_fit); "
+            "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
+            "with yielding waits."
+        )
+    if m.fresh_above is not None:
+        out["fresh_memory"] = (
+            "MPI_Allreduce's page faults per call counted (getrusage) at sizes around "
+            "glibc's 32 MiB mmap threshold: above `above` its temporary is a fresh mapping "
+            "every call; rate: the bytes faulted in over what they cost MPI, the largest "
+            "size timed as glibc serves it and again with mallopt raising the mmap "
+            "threshold (calibration.fresh_memory.from_mpi); if that is noise, filling a new "
+            "4 KiB-page mapping less filling mapped memory (fill_rate)."
+        )
+    if m.op_overhead:
+        out["engine"] = (
+            "the engine's own seconds per plan op (an iteration less its ops' own times, as "
+            "runs book `overhead`): a plan of a non-blocking 1-element allreduce pending "
+            "under two empty computes, its wait and a blocking 1-element allreduce, over "
+            "and over, through the real engine on the active ranks, spinning waits"
+        )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")
         if any("emulated" in n for n in topo.notes):
@@ -388,8 +554,25 @@ def summary(m: Machine, topo: Topology, share: float) -> None:
     )
     largest = {k: v[-1] for k, v in c["allreduce"].items()}
     words = ", ".join(f"{k} {v[1] * 1e6:.0f} us" for k, v in largest.items())
-    size = next(iter(largest.values()))[0]
-    print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    if largest:
+        size = next(iter(largest.values()))[0]
+        print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    if m.oversub is not None:
+        print(
+            f"  oversubscribed  latency {q(m.oversub.latency, 'time')}, bandwidth "
+            f"{q(m.oversub.bandwidth, 'bandwidth')}"
+            + (
+                f" (node {q(m.oversub_node_bandwidth, 'bandwidth')})"
+                if m.oversub_node_bandwidth
+                else ""
+            )
+        )
+    if m.fresh_above is not None:
+        print(
+            f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
+            f"at {q(m.fault_rate, 'bandwidth')}"
+        )
+    print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
     missing = [u for u in m.unmeasured]
     print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
 

@@ -109,11 +109,15 @@ def incast(
 def node_exchange(
     comm, MPI, barrier: Callable[[], None], node_of: Sequence[int], size: int, reps: int
 ) -> tuple[float, int, float]:
-    """Every rank of node 0 at once: pairs (0,1), (2,3) ... exchange `size` bytes both ways
-    (Sendrecv). (bytes/s the node moved in all, flows, median seconds): what all of a
-    node's intra-node messages together can reach, when the cores copy them."""
+    """Every rank of node 0 at once (node_of -1: a rank that takes no part): pairs (0,1),
+    (2,3) ... exchange `size` bytes both ways (Sendrecv). (bytes/s the node moved in all,
+    flows, median seconds): what all of a node's intra-node messages together can reach,
+    when the cores copy them."""
     mine = [q for q, n in enumerate(node_of) if n == 0]
     pairs = len(mine) // 2
+    if not pairs:  # one rank takes part: nothing to measure (0 flows)
+        barrier()
+        return 0.0, 0, 0.0
     paired = mine[: 2 * pairs]
     out = np.ones(size, dtype=np.uint8)
     into = np.empty(size, dtype=np.uint8)
@@ -127,7 +131,9 @@ def node_exchange(
             comm.Sendrecv(
                 out, dest=peer, sendtag=TAG + 2, recvbuf=into, source=peer, recvtag=TAG + 2
             )
-        took = comm.allreduce(MPI.Wtime() - t0 if comm.rank in paired else 0.0, op=MPI.MAX)
+        took = MPI.Wtime() - t0 if comm.rank in paired else 0.0
+        barrier()  # ranks not taking part wait without spinning (they would take the cores)
+        took = comm.allreduce(took, op=MPI.MAX)
         if rep:
             times.append(took)
     seconds = statistics.median(times)
@@ -234,3 +240,176 @@ def allreduce_measurements(
                 times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
             out[alg].append((buf.nbytes, statistics.median(times)))
     return out
+
+
+# -- fresh memory: MPI's temporaries above glibc's mmap threshold ----------------------------
+
+PAGE = 4096
+FRESH_SIZES = [16 << 20, 24 << 20, 32 << 20, 48 << 20, 64 << 20]  # around glibc's 32 MiB cap
+QUICK_FRESH_SIZES = [16 << 20, 48 << 20]
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def mpi_fresh(comm, MPI, sizes: Sequence[int], reps: int) -> list[tuple[int, float]]:
+    """Per size (bytes per rank) of an in-place float32 MPI_Allreduce: bytes of fresh memory
+    faulted in per call (minor page faults x 4 KiB, counted with getrusage around calls on
+    warm buffers after one warm-up call, the median of `reps`, the most of any rank). Near
+    zero while MPI's temporary is reused heap; about what the call receives into it once
+    the temporary is a new mapping every call (glibc serves allocations above its mmap
+    threshold, at most 32 MiB on 64-bit, with fresh mappings)."""
+    whole = np.zeros(max(sizes) // 4, dtype=np.float32)
+    out = []
+    for size in sizes:
+        buf = whole[: size // 4]
+        for _ in range(2):  # warm-up: glibc raises its threshold, the heap settles
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        faults = []
+        for _ in range(reps):
+            comm.Barrier()
+            f0 = _minor_faults()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            faults.append((_minor_faults() - f0) * PAGE)
+        out.append((size, comm.allreduce(statistics.median(faults), op=MPI.MAX)))
+    return out
+
+
+def fresh_above(points: Sequence[tuple[int, float]]) -> int | None:
+    """The size above which MPI's temporaries are fresh: the largest measured size whose
+    calls faulted in less than an eighth of the message, below the first that faulted in
+    more (None: no measured size did; half the smallest size when even that faulted, the
+    threshold then lies below what was measured and that is said in the file)."""
+    below = None
+    for size, faulted in points:
+        if faulted > size / 8:
+            return below if below is not None else size // 2
+        below = size
+    return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt; False where there is none (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+    except (OSError, AttributeError):
+        return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def mpi_fault_rate(comm, MPI, size: int, faulted: float, reps: int) -> dict | None:
+    """The rate at which MPI's own temporaries fault in, from MPI itself: an in-place
+    MPI_Allreduce of `size` bytes (per rank) timed as glibc serves it (a fresh mapping every
+    call, `faulted` bytes of faults), then again after mallopt moves the mmap threshold
+    above it and stops heap trimming (the temporary is then reused heap, no faults):
+    faulted / (the first time - the second). Medians of `reps` calls, slowest rank. Ends
+    with glibc's thresholds raised in this process: call it last. None without glibc's
+    mallopt or when the difference is not positive (noise)."""
+    buf = np.zeros(size // 4, dtype=np.float32)
+
+    def timed() -> float:
+        for _ in range(2):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+        return statistics.median(times)
+
+    fresh = timed()
+    ok = _mallopt(M_MMAP_THRESHOLD, 1 << 30) and _mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    if not comm.allreduce(ok, op=MPI.LAND):
+        return None
+    heap = timed()
+    f0 = _minor_faults()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    left = comm.allreduce((_minor_faults() - f0) * PAGE, op=MPI.MAX)
+    out = {"bytes": size, "fresh_s": fresh, "heap_s": heap, "heap_faulted": left}
+    if fresh <= heap or faulted <= 0:
+        return out | {"rate": None}
+    return out | {"rate": faulted / (fresh - heap)}
+
+
+def fault_rates(comm, MPI, barrier: Callable[[], None], nbytes: int, reps: int) -> list[float]:
+    """Bytes per second at which fresh memory is faulted in, per rank, every rank at once:
+    the time to fill a new anonymous mapping of nbytes (4 KiB pages, as glibc's mmap gives
+    MPI) minus the time to fill the same bytes already mapped."""
+    import mmap
+
+    warm = np.ones(nbytes, dtype=np.uint8)
+
+    def fresh() -> None:
+        m = mmap.mmap(-1, nbytes)
+        a = np.frombuffer(m, dtype=np.uint8)
+        a.fill(1)
+        del a
+        m.close()
+
+    fill = lambda: warm.fill(1)  # noqa: E731
+    fresh_s = [nbytes / r for r in kernel_rate(comm, MPI, barrier, fresh, nbytes, reps)]
+    warm_s = [nbytes / r for r in kernel_rate(comm, MPI, barrier, fill, nbytes, reps)]
+    return [nbytes / max(f - w, 1e-9) for f, w in zip(fresh_s, warm_s, strict=True)]
+
+
+# -- the engine's own cost per op --------------------------------------------------------------
+
+
+class _TinyRuntime:
+    """A runtime with one 1-element buffer and no compute: only the engine's own work."""
+
+    def __init__(self) -> None:
+        self.x = np.zeros(1, dtype=np.float32)
+
+    def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
+        return self.x
+
+    def compute(self, op, iteration: int) -> None:
+        pass
+
+    def finish_iteration(self, iteration: int) -> tuple[float, int]:
+        return 0.0, 0
+
+
+def engine_overhead(comm, MPI, ops: int, iters: int, wait: str) -> float:
+    """Seconds the engine spends of its own per plan op, as a run books them (overhead =
+    an iteration's time less its ops' own): a plan of `ops` ops, cycles of a non-blocking
+    1-element allreduce, two empty computes under it (the engine tests what is pending
+    after each op, as under the proxies' overlapped gradients), its Wait and a blocking
+    1-element allreduce, run through the real engine on `comm` with the runs' wait mode;
+    the median over iterations (after one warm-up) of the slowest rank."""
+    from proxies.core.engine import Engine
+    from proxies.core.plan import Collective, Compute, Plan, Wait
+    from proxies.core.report import HIDDEN
+
+    cycle = (
+        Collective("allreduce", "world", "x", 1, req="q"),
+        Compute("forward"),
+        Compute("forward"),
+        Wait("q"),
+        Collective("allreduce", "world", "x", 1),
+    )
+    plan = Plan(comm.rank, cycle * max(1, ops // 5), {"world": tuple(range(comm.size))})
+    engine = Engine(MPI, plan, _TinyRuntime(), {"world": comm}, mode="model", wait=wait)
+    per_op = []
+    try:
+        for i in range(1 + iters):
+            comm.Barrier()
+            t = engine.run_iteration(i)
+            own = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
+            own += sum(c[2] for c in t.collectives)
+            if i:
+                per_op.append((t.total - own) / len(plan.ops))
+    finally:
+        engine.close()
+    return comm.allreduce(max(0.0, statistics.median(per_op)), op=MPI.MAX)

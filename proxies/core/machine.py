@@ -7,8 +7,22 @@
     switch: {nodes_per_switch: 32, oversubscription: 2}     # optional
     compute: {matmul: 100 GFLOP/s, memory: 10 GB/s, device: 150 TFLOP/s, reduce: 5 GB/s}
     mpi: {allreduce: [[2 KiB, tree], [any, rhd]]}           # optional
+    oversubscribed: {latency: 300 us, bandwidth: 10 GB/s, node_bandwidth: 8 GB/s,
+                     op_overhead: 400 us}                    # optional: ranks > cores
+    fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
+    engine: {op_overhead: 20 us}                             # optional: per plan op
     unmeasured: [inter_node]                                 # optional (calibrate)
     calibration: {...}                                       # optional (calibrate)
+
+`oversubscribed` holds what a node does when its ranks outnumber its cores (a message waits
+for its peer to be scheduled, waits sleep and wake late, copies share cores): the predictor
+uses it instead of intra_node's latency and bandwidth, node_bandwidth and the engine's
+op_overhead only when a run places more ranks on a node than cores_per_node, so a cluster
+file (never oversubscribed) is unaffected. `fresh_memory`: MPI's temporary buffers above
+`above` bytes are fresh mappings (glibc's mmap threshold) faulted in on every call at
+`rate` bytes/s; the predictor charges that on the reductions of MPI's own collectives.
+`engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling), booked
+as the measured run books it.
 
 Every figure carries its unit (proxies.core.units). `load` validates everything and raises
 MachineError "<file>: <key>: <what is wrong>" (one line); `cli.machine` turns it into a
@@ -66,6 +80,14 @@ class Machine:
     # bytes/s all of a node's intra-node flows together can reach (CPU nodes: what the
     # cores can copy at once); None: no such limit (a non-blocking switch such as NVSwitch)
     node_bandwidth: float | None = None
+    # ranks outnumbering cores (None: never measured; then the figures above serve)
+    oversub: Level | None = None  # a message's latency and one flow's bandwidth
+    oversub_node_bandwidth: float | None = None  # a node's flows together
+    oversub_op_overhead: float | None = None  # the engine's cost per op
+    # MPI's temporaries above fresh_above bytes are faulted in at fault_rate bytes/s
+    fresh_above: int | None = None
+    fault_rate: float | None = None
+    op_overhead: float = 0.0  # seconds: the engine's own cost per plan op
 
     def node_of(self, rank: int) -> int:
         """The node of `rank` under the default placement (consecutive blocks)."""
@@ -92,6 +114,14 @@ SECTIONS: dict[str, dict[str, str]] = {
     "inter_node": {"latency": "time", "bandwidth": "bandwidth", "nic_bandwidth": "bandwidth"},
     "switch": {"nodes_per_switch": "int", "oversubscription": "ratio"},
     "compute": {"matmul": "rate", "memory": "bandwidth", "device": "rate", "reduce": "bandwidth"},
+    "oversubscribed": {
+        "latency": "time",
+        "bandwidth": "bandwidth",
+        "node_bandwidth": "bandwidth",
+        "op_overhead": "time",
+    },
+    "fresh_memory": {"above": "count", "rate": "bandwidth"},
+    "engine": {"op_overhead": "time"},
 }
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
 OPTIONAL = {
@@ -100,6 +130,8 @@ OPTIONAL = {
     "compute.matmul",
     "compute.memory",
     "compute.device",
+    "oversubscribed.node_bandwidth",
+    "oversubscribed.op_overhead",
 }
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
@@ -170,6 +202,7 @@ _KIND_WORDS = {
     "time": "a time like '15 us'",
     "bandwidth": "a bandwidth like '10 Gb/s' or '25 GB/s'",
     "rate": "a rate like '150 TFLOP/s'",
+    "count": "a size like '32 MiB'",
 }
 
 
@@ -253,6 +286,7 @@ def from_mapping(
         c.fail("calibration", f"expected a mapping, got {calibration!r}")
 
     has_inter = data.get("inter_node") is not None
+    has_over = data.get("oversubscribed") is not None
     return Machine(
         name=name.strip(),
         source=path,
@@ -271,6 +305,14 @@ def from_mapping(
         unmeasured=tuple(unmeasured),
         calibration=calibration,
         node_bandwidth=fig.get("intra_node.node_bandwidth"),
+        oversub=Level(fig["oversubscribed.latency"], fig["oversubscribed.bandwidth"])
+        if has_over
+        else None,
+        oversub_node_bandwidth=fig.get("oversubscribed.node_bandwidth"),
+        oversub_op_overhead=fig.get("oversubscribed.op_overhead"),
+        fresh_above=int(fig["fresh_memory.above"]) if fig.get("fresh_memory.above") else None,
+        fault_rate=fig.get("fresh_memory.rate"),
+        op_overhead=fig.get("engine.op_overhead") or 0.0,
     )
 
 
@@ -369,6 +411,23 @@ def to_mapping(m: Machine) -> dict:
         "reduce": (m.reduce_bandwidth, "bandwidth"),
     }
     out["compute"] = {k: q(v, kind) for k, (v, kind) in compute.items() if v is not None}
+    if m.oversub is not None:
+        over = {
+            "latency": q(m.oversub.latency, "time"),
+            "bandwidth": q(m.oversub.bandwidth, "bandwidth"),
+        }
+        if m.oversub_node_bandwidth is not None:
+            over["node_bandwidth"] = q(m.oversub_node_bandwidth, "bandwidth")
+        if m.oversub_op_overhead is not None:
+            over["op_overhead"] = q(m.oversub_op_overhead, "time")
+        out["oversubscribed"] = over
+    if m.fresh_above is not None and m.fault_rate is not None:
+        out["fresh_memory"] = {
+            "above": q(m.fresh_above, "count"),
+            "rate": q(m.fault_rate, "bandwidth"),
+        }
+    if m.op_overhead:
+        out["engine"] = {"op_overhead": q(m.op_overhead, "time")}
     if m.mpi:
         out["mpi"] = {
             kind: [["any" if s == ANY else q(s, "count"), alg] for s, alg in rows]

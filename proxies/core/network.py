@@ -15,6 +15,11 @@ in; between nodes, the sender node's interface out, the uplinks/downlinks if the
 under different switches, and the receiver node's interface in. One flow also never goes
 faster than its level's link bandwidth (a private cap), and costs the level's latency once.
 
+Where a run places more ranks on a node than it has cores and the machine file has an
+`oversubscribed` section, that section's latency, bandwidth and node_bandwidth replace
+intra_node's (a message waits for its peer to be scheduled; copies share the cores), and a
+message between nodes costs at least that latency; otherwise nothing changes.
+
 Flows share links max-min fairly (progressive filling, as flow-level network simulators
 do): the most contended link fixes the rate of its flows, its capacity is removed from
 their other links, and so on. A flow may stand for `weight` identical flows (the images of
@@ -49,11 +54,16 @@ class Topology:
         self.machine = machine
         self.rpn = ranks_per_node or machine.ranks_per_node
         self.switch_nodes = machine.switch_nodes
+        # ranks outnumber cores: the oversubscribed figures, where the file has them
+        self.crowded = machine.oversub is not None and self.rpn > machine.cores_per_node
+        self.intra = machine.oversub if self.crowded else machine.intra
         self._cap = {
-            PORT_OUT: machine.intra.bandwidth,
-            PORT_IN: machine.intra.bandwidth,
+            PORT_OUT: self.intra.bandwidth,
+            PORT_IN: self.intra.bandwidth,
         }
         self.bus = machine.node_bandwidth
+        if self.crowded and machine.oversub_node_bandwidth:
+            self.bus = machine.oversub_node_bandwidth
         if self.bus:
             self._cap[BUS] = self.bus
         if machine.inter is not None:
@@ -62,6 +72,14 @@ class Topology:
             if machine.switch_nodes:
                 uplink = machine.switch_nodes * nic / machine.oversubscription
                 self._cap[UP] = self._cap[DOWN] = uplink
+
+    @property
+    def op_overhead(self) -> float:
+        """Seconds the engine spends on each plan op of its own (Python, mpi4py, polling)."""
+        m = self.machine
+        if self.crowded and m.oversub_op_overhead is not None:
+            return m.oversub_op_overhead
+        return m.op_overhead
 
     def node(self, rank: int) -> int:
         return rank // self.rpn
@@ -75,13 +93,15 @@ class Topology:
     def alpha(self, a: int, b: int) -> float:
         """Latency of one message from world rank a to b."""
         if self.same_node(a, b):
-            return self.machine.intra.latency
+            return self.intra.latency
+        if self.crowded:
+            return max(self._inter().latency, self.intra.latency)
         return self._inter().latency
 
     def cap(self, a: int, b: int) -> float:
         """The most one flow from a to b can reach (its level's link bandwidth)."""
         if self.same_node(a, b):
-            return self.machine.intra.bandwidth
+            return self.intra.bandwidth
         return self._inter().bandwidth
 
     def _inter(self):

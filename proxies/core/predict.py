@@ -30,7 +30,9 @@ spent in it (the last to arrive waits least), the rest of each member's time idl
 non-blocking collective's or P2P batch's exposed time is its Wait, and the time it ran under
 other work is <category>_hidden (not part of the sum): a non-blocking batch's messages are
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
-after its last op a rank is idle until the end.
+after its last op a rank is idle until the end. With the machine's engine.op_overhead
+(or oversubscribed.op_overhead on a crowded node) every op first costs that much on its
+rank, booked as overhead, as the engine books its own time between ops.
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages st
 # What MPICH runs when the machine file does not say (its default selection, MPICH 4):
 # recursive doubling for short allreduces, Rabenseifner's reduce-scatter + allgather above;
 # allgather by recursive doubling up to 80 KiB in all, ring above; reduce-scatter by
-# recursive halving (commutative sums); all-to-all pairwise; binomial broadcast and reduce.
+# recursive halving (commutative sums); all-to-all in place (the engine always passes
+# MPI_IN_PLACE: MPICH then swaps blocks pair by pair in one global order, whatever the
+# size); all-to-all-v pairwise (separate buffers); binomial broadcast and reduce.
 MPICH_DEFAULTS: dict[str, list[tuple[int, str]]] = {
     "allreduce": [(2048, "rd"), (ANY, "rhd")],
     "allgather": [(80 << 10, "rd"), (ANY, "ring")],
     "reduce_scatter": [(ANY, "rh")],
-    "alltoall": [(ANY, "pairwise")],
+    "alltoall": [(ANY, "inplace")],
     "alltoallv": [(ANY, "pairwise")],
     "bcast": [(ANY, "binomial")],
     "reduce": [(ANY, "binomial")],
@@ -86,7 +90,19 @@ def chooser(machine, allreduce: str = "mpi") -> Callable[[str, int], str]:
             return allreduce
         return mpi_algorithm(machine, kind, nbytes)
 
+    # the MPI library runs it (its temporaries may be fresh memory), or our program does
+    pick.library = lambda kind: kind != "allreduce" or allreduce == "mpi"  # type: ignore[attr-defined]
     return pick
+
+
+def fault_seconds_per_byte(machine, library: bool, nbytes: int) -> float:
+    """Extra seconds per reduced byte of a collective of nbytes: MPI's temporary (as large
+    as the message) is a fresh mapping above fresh_memory.above, and every received byte
+    it reduces is faulted in first at fresh_memory.rate. 0 for our own programs (their
+    buffers are kept) and below the threshold (glibc reuses the heap)."""
+    if not library or machine.fresh_above is None or not machine.fault_rate:
+        return 0.0
+    return 1.0 / machine.fault_rate if nbytes > machine.fresh_above else 0.0
 
 
 @dataclass
@@ -139,11 +155,14 @@ class _Msg:
 class _Instance:
     """The n-th collective on one group: who posted when, who finished when."""
 
-    __slots__ = ("key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then")
+    __slots__ = (
+        "key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then", "fault",
+    )  # fmt: skip
 
     def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
         self.key, self.members, self.op, self.alg = key, members, op, alg
         self.expected, self.folded = expected, folded
+        self.fault = 0.0  # extra seconds per reduced byte (fresh temporaries)
         self.posts: dict[int, float] = {}  # simulated member -> post time
         self.ends: dict[int, float] = {}  # simulated member -> its end
         self.then: dict[int, Callable[[float], None]] = {}  # member -> what its end does
@@ -173,6 +192,10 @@ class _Predictor:
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
         self.rep_of, self.keep_spans = rep_of, keep_spans
         self.reduce_bw = topo.machine.reduce_bandwidth
+        self.op_overhead = topo.op_overhead  # the engine's own seconds per op
+        self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
+        library = getattr(algorithm, "library", None)
+        self.library: Callable[[str], bool] = library or (lambda kind: False)
         self.flows = Flows(topo.capacity)
         self.events: list = []
         self.seq = 0
@@ -249,8 +272,14 @@ class _Predictor:
         """Run rank r from its current op at self.now until it blocks or finishes."""
         ops, pc, t = self.plans[r].ops, self.pc[r], self.now
         book, spans = self.book[r], self.spans[r]
+        oh = self.op_overhead
         while pc < len(ops):
             op = ops[pc]
+            if oh and self.charged[r] != pc:
+                # the engine's own time before each op (booked as the engine books it)
+                self.charged[r] = pc
+                book["overhead"] += oh
+                t += oh
             if type(op) is Compute:
                 d = self.compute(r, op)
                 book[op.category] += d
@@ -450,6 +479,7 @@ class _Predictor:
             inst = self.instances[key] = _Instance(
                 key, members, op, alg, inside, inside < len(members)
             )
+            inst.fault = fault_seconds_per_byte(self.topo.machine, self.library(op.kind), op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
             raise PlanError(
                 f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "
@@ -526,7 +556,7 @@ class _Predictor:
                     return
                 pos += 1
             elif what == "reduce":
-                d = ev[1] * isz / self.reduce_bw
+                d = ev[1] * isz * (1 / self.reduce_bw + inst.fault)
                 pos += 1
                 if d > 0:
                     self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done))
@@ -544,7 +574,7 @@ class _Predictor:
                 self._member_done(inst, q, t)
             return
         ph, members, topo = phases[k], inst.members, self.topo
-        tail = ph.latency + ph.reduce_bytes / self.reduce_bw
+        tail = ph.latency + ph.reduce_bytes * (1 / self.reduce_bw + inst.fault)
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
         if inst.folded and flows:
             # Folded: a flow between two nodes holding no simulated rank is an image of one

@@ -230,15 +230,20 @@ def collective_seconds(
     dtype: str = "float32",
     ranks_per_node: int | None = None,
     detail: str = "auto",
+    library: bool = False,
 ) -> float:
     """Predicted seconds of one collective over ranks 0..n-1 (the collectives benchmark's
     "is my number normal?"): `alg` as --allreduce names it ("mpi": what the machine file
-    says the library runs)."""
+    says the library runs). library: `alg` is run by the MPI library (its temporaries may
+    be fresh memory), as "mpi" always is."""
     group = tuple(range(n))
     op = Collective(kind, "world", "x", count, dtype)
     plans = [Plan(r, (op,), {"world": group}) for r in group]
     topo = Topology(machine, ranks_per_node)
-    pred = predict(plans, topo, lambda r, o: 0.0, chooser(machine, alg), detail=detail)
+    pick = chooser(machine, alg)
+    if library:
+        pick.library = lambda kind: True  # type: ignore[attr-defined]
+    pred = predict(plans, topo, lambda r, o: 0.0, pick, detail=detail)
     return pred.time
 
 

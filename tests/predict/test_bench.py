@@ -173,3 +173,22 @@ def test_script_shows_failed_points(tmp_path):
     table = r.stdout.split("# * error above 25%")[1]
     assert "none            failed: timed out after 0.01 s" in table
     assert "failed: no --device-tflops (the none point failed" in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "MACHINE.yaml [MiB ...]"),
+        (["/nonexistent.yaml"], "/nonexistent.yaml: cannot read"),
+        ([MACHINE, "x"], "invalid literal"),
+    ],
+)
+def test_allreduce_check_bad_input(args, message):
+    """benchmarks/predict_allreduce.py: usage and bad input, one line, exit 2."""
+    script = os.path.join(ROOT, "benchmarks", "predict_allreduce.py")
+    r = subprocess.run(
+        [sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

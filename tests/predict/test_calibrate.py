@@ -2,6 +2,8 @@
 loads back."""
 
 import math
+import os
+import shutil
 import sys
 
 import pytest
@@ -87,6 +89,17 @@ def test_quick_run_on_one_node(tmp_path):
     assert set(cal["allreduce"]) == set(ALGORITHMS)
     assert all(len(rows) == 2 and rows[0][0] == 8 for rows in cal["allreduce"].values())
     assert len(cal["intra_node"]["points"]) == 7 and cal["intra_node"]["ranks"] == [0, 1]
+    # MPI's temporaries: page faults per call at the quick sizes (16 and 48 MiB), the rate
+    faulted = cal["fresh_memory"]["faulted_per_call"]
+    assert [s for s, _ in faulted] == [16 << 20, 48 << 20] and cal["fresh_memory"]["fault_rate"] > 0
+    if m.fresh_above is not None:  # 48 MiB is above glibc's mmap threshold where glibc is used
+        assert m.fresh_above == 16 << 20 and m.fault_rate > 0
+        # timed again with the mmap threshold raised: MPI's temporary no longer faults
+        assert cal["fresh_memory"]["from_mpi"]["heap_faulted"] < (48 << 20) / 8
+    # the engine's own cost per op, measured through the engine; 2 ranks: not crowded
+    assert cal["engine"]["ops"] == 40 and cal["engine"]["op_overhead"] >= 0
+    if m.cores_per_node >= 2:
+        assert m.oversub is None and "oversubscribed_allreduce" not in cal
     text = open(out).read()
     assert "# not measured: inter_node" in text and "inter_node:" not in text.split("calib")[0]
 
@@ -103,3 +116,32 @@ def test_quick_run_on_emulated_nodes(tmp_path):
     assert "inter_node" not in m.unmeasured
     assert m.calibration["nic"]["flows"] == 2  # both ranks of node 1 into node 0
     assert m.calibration["inter_node"]["ranks"] == [0, 2]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(
+    not shutil.which("taskset") or not hasattr(os, "sched_getaffinity"), reason="needs taskset"
+)
+def test_quick_run_with_ranks_outnumbering_cores(tmp_path):
+    """2 ranks pinned to one core: the first regime measures one rank per node (so no
+    allreduce, the ping-pong figures stand), the oversubscribed one both, yielding."""
+    from launch import mpiexec
+
+    out = str(tmp_path / "m.yaml")
+    core = str(min(os.sched_getaffinity(0)))  # one core this test may use
+    cmd = ["taskset", "-c", core, mpiexec(), "-n", "2", sys.executable, "-m", "proxies"]
+    r = run([*cmd, "calibrate", "-o", out, "--quick"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ranks outnumber cores: 1 rank(s) per node measure first" in r.stdout
+    m = load(out)
+    assert m.cores_per_node == 1 and m.ranks_per_node == 2
+    assert m.oversub is not None and m.oversub.latency > 0 and m.oversub.bandwidth > 0
+    assert m.oversub_node_bandwidth > 0 and m.oversub_op_overhead is not None
+    cal = m.calibration
+    assert set(cal["oversubscribed_allreduce"]) == set(ALGORITHMS) and cal["allreduce"] == {}
+    assert (
+        cal["oversubscribed_fit"]["rms_log_error_after"]
+        <= cal["oversubscribed_fit"]["rms_log_error_before"]
+    )
+    assert cal["node"]["flows"] == 0 and cal["oversubscribed_node"]["flows"] == 2
+    assert "# Ranks outnumber cores (2 per node on 1)" in open(out).read()

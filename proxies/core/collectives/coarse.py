@@ -286,6 +286,23 @@ def _pairwise(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
     c.mark()
 
 
+def _inplace(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
+    """MPICH's in-place order: pair (i, j) after each rank's earlier pairs. A phase per
+    round of exchanges that can run together (round = 1 + the later of the two ranks'
+    previous rounds): 2n - 3 rounds, the chain the global order makes."""
+    size = count // n
+    done = [0] * n
+    rounds: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for i in range(n):
+        for j in range(i + 1, n):
+            k = done[i] = done[j] = max(done[i], done[j]) + 1
+            rounds[k].append((i, j))
+    for k in sorted(rounds):
+        for i, j in rounds[k]:
+            c.exchange(i, j, size, size, False)
+        c.mark()
+
+
 def _bcast(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
     _tree_bcast(c, [range(n)], count)
 
@@ -372,6 +389,7 @@ ALGS: dict[tuple[str, str], Callable[..., None]] = {
     ("allgather", "ring"): _ring_phase(False, True),
     ("allgather", "rd"): _rd_allgather,
     ("alltoall", "pairwise"): _pairwise,
+    ("alltoall", "inplace"): _inplace,
     ("bcast", "binomial"): _bcast,
     ("reduce", "binomial"): _reduce,
 }

@@ -5,7 +5,7 @@ trace for the predictor at small sizes, and (coarse.py) their phases at scale.
     allreduce       naive, tree, ring, rhd, rd, dbtree, hier
     reduce_scatter  ring, rh (recursive halving)
     allgather       ring, rd (recursive doubling)
-    alltoall        pairwise
+    alltoall        pairwise, inplace (MPICH's MPI_IN_PLACE order)
     bcast           binomial (from group rank 0)
     reduce          binomial (to group rank 0)
 
@@ -50,6 +50,7 @@ PROGRAMS: dict[tuple[str, str], Callable[..., Program]] = {
     ("allgather", "ring"): lambda n, r, c, i, nodes: ring.allgather(n, r, c),
     ("allgather", "rd"): lambda n, r, c, i, nodes: rd.allgather(n, r, c),
     ("alltoall", "pairwise"): lambda n, r, c, i, nodes: alltoall.pairwise(n, r, c),
+    ("alltoall", "inplace"): lambda n, r, c, i, nodes: alltoall.inplace(n, r, c),
     ("bcast", "binomial"): lambda n, r, c, i, nodes: tree.bcast(n, r, c),
     ("reduce", "binomial"): lambda n, r, c, i, nodes: tree.reduce(n, r, c),
 }

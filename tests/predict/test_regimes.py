@@ -1,0 +1,219 @@
+"""The machine file's regimes and engine costs: `oversubscribed` (ranks outnumbering cores),
+`fresh_memory` (MPI's temporaries faulted in) and `engine.op_overhead`; validated, written
+back, and priced by the predictor as hand arithmetic says."""
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from proxies.core.machine import Level, MachineError, dumps, load
+from proxies.core.network import Topology
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
+from proxies.core.predict import chooser, predict
+from proxies.core.prediction import collective_seconds
+
+from .test_machine import BASE, write
+from .test_network import machine
+
+FULL = copy.deepcopy(BASE) | {
+    "oversubscribed": {
+        "latency": "300 us",
+        "bandwidth": "5 GB/s",
+        "node_bandwidth": "4 GB/s",
+        "op_overhead": "40 us",
+    },
+    "fresh_memory": {"above": "32 MiB", "rate": "2 GB/s"},
+    "engine": {"op_overhead": "2 us"},
+}
+
+
+def test_new_sections_load_and_round_trip(tmp_path):
+    m = load(write(tmp_path, FULL))
+    assert m.oversub == Level(300e-6, 5e9) and m.oversub_node_bandwidth == 4e9
+    assert m.oversub_op_overhead == 40e-6 and m.op_overhead == 2e-6
+    assert m.fresh_above == 32 << 20 and m.fault_rate == 2e9
+    again = load(write(tmp_path, dumps(m), "again.yaml"))
+    assert replace(again, source="") == replace(m, source="")
+    # optional parts of the section may be left out; the sections themselves too
+    less = copy.deepcopy(FULL)
+    del less["oversubscribed"]["node_bandwidth"], less["oversubscribed"]["op_overhead"]
+    m = load(write(tmp_path, less, "less.yaml"))
+    assert m.oversub_node_bandwidth is None and m.oversub_op_overhead is None
+    m = load(write(tmp_path, BASE, "base.yaml"))
+    assert (m.oversub, m.fresh_above, m.fault_rate, m.op_overhead) == (None, None, None, 0.0)
+
+
+ERRORS = [
+    ("oversubscribed.latency", "fast", ["expected a time"]),
+    ("oversubscribed.latency", None, ["missing"]),
+    ("oversubscribed.bandwidth", "10 us", ["expected a bandwidth"]),
+    ("oversubscribed.node_bandwidth", "-1 GB/s", ["not a positive"]),
+    ("oversubscribed.op_overhead", "5 GB/s", ["expected a time"]),
+    ("oversubscribed.latncy", "1 us", ["unknown key", "did you mean 'latency'?"]),
+    ("fresh_memory.above", "32 Mb/s", ["expected a size"]),
+    ("fresh_memory.above", None, ["missing"]),
+    ("fresh_memory.rate", "2 GFLOP/s", ["expected a bandwidth"]),
+    ("engine.op_overhead", "0 us", ["not a positive"]),
+    ("engine.overhead", "1 us", ["unknown key", "did you mean 'op_overhead'?"]),
+]
+
+
+@pytest.mark.parametrize("key,value,words", ERRORS, ids=[f"{e[0]}={e[1]}" for e in ERRORS])
+def test_bad_values_are_one_line_naming_file_and_key(tmp_path, key, value, words):
+    data = copy.deepcopy(FULL)
+    section, k = key.split(".")
+    if value is None:
+        del data[section][k]
+    else:
+        data[section][k] = value
+    path = write(tmp_path, data)
+    with pytest.raises(MachineError) as e:
+        load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: {key}: "), msg
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.mark.slow
+def test_bad_value_exits_2(tmp_path):
+    import sys
+
+    from launch import run
+
+    data = copy.deepcopy(FULL)
+    data["fresh_memory"]["rate"] = "fast"
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    argv = ["gpt2", "4", "2", "--dry-run", "--world-size", "4", "--machine", str(path)]
+    r = run([sys.executable, "-m", "proxies", *argv], timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{path}: fresh_memory.rate" in lines[0], r.stderr
+
+
+# -- oversubscribed: which figures a run gets ---------------------------------------------------
+
+
+def crowded_machine(cores: int, oversub: bool = True):
+    m = replace(machine(rpn=2, intra=10e9, lat=1e-6), cores_per_node=cores)
+    if oversub:
+        m = replace(m, oversub=Level(300e-6, 2e9), oversub_node_bandwidth=None)
+    return m
+
+
+def one_message(m, nbytes: int, rpn: int = 2) -> float:
+    msg = lambda peer: Msg(peer, 1, "x", 0, nbytes // 4)  # noqa: E731
+    plans = [
+        Plan(0, (P2P("pp", sends=(msg(1),)),)),
+        Plan(1, (P2P("pp", recvs=(msg(0),)),)),
+    ]
+    return predict(plans, Topology(m, rpn), lambda r, o: 0.0, chooser(m)).time
+
+
+def test_oversubscribed_figures_apply_only_when_ranks_outnumber_cores():
+    nbytes = 4 << 20
+    # 2 ranks on 1 core: the oversubscribed latency and bandwidth
+    assert math.isclose(one_message(crowded_machine(1), nbytes), 300e-6 + nbytes / 2e9)
+    # 2 ranks on 2 cores: intra_node's
+    assert math.isclose(one_message(crowded_machine(2), nbytes), 1e-6 + nbytes / 10e9)
+    # a file without the section (a cluster's) is priced as before, crowded or not
+    assert math.isclose(one_message(crowded_machine(1, False), nbytes), 1e-6 + nbytes / 10e9)
+
+
+def test_oversubscribed_node_bandwidth_replaces_the_nodes():
+    m = replace(crowded_machine(1), node_bandwidth=8e9, oversub_node_bandwidth=1e9)
+    assert Topology(m, 2).bus == 1e9 and Topology(m, 1).bus == 8e9
+
+
+def test_oversubscribed_inter_node_latency_is_at_least_the_crowded_one():
+    m = crowded_machine(1)
+    topo = Topology(m, 2)
+    assert topo.alpha(0, 2) == 300e-6 and Topology(m, 1).alpha(0, 1) == 1e-6
+
+
+# -- fresh memory: MPI's reductions of messages above the threshold -----------------------------
+
+
+def fresh_machine(above=32 << 20, rate=2e9):
+    m = replace(machine(rpn=2, intra=10e9, lat=1e-6), reduce_bandwidth=5e9)
+    return replace(m, mpi={"allreduce": [(2**63, "rhd")]}, fresh_above=above, fault_rate=rate)
+
+
+@pytest.mark.parametrize("detail", ["steps", "coarse"])
+def test_fresh_temporaries_cost_what_is_reduced_over_the_fault_rate(detail):
+    # rhd on 2 ranks: each receives half the message into the temporary and reduces it,
+    # so half the message is faulted in: (S / 2) / rate more than without fresh memory
+    m, plain = fresh_machine(), replace(fresh_machine(), fresh_above=None, fault_rate=None)
+    count = 16 << 20  # 64 MiB of float32
+    with_faults = collective_seconds(
+        m, "allreduce", "mpi", 2, count, ranks_per_node=2, detail=detail
+    )
+    without = collective_seconds(
+        plain, "allreduce", "mpi", 2, count, ranks_per_node=2, detail=detail
+    )
+    assert math.isclose(with_faults - without, (count * 4 / 2) / 2e9, rel_tol=1e-9)
+    # textbook rhd on 2 ranks: two latencies, half each way twice, half reduced
+    half = count * 4 / 2
+    assert math.isclose(without, 2 * (1e-6 + half / 10e9) + half / 5e9, rel_tol=1e-9)
+
+
+def test_no_fresh_cost_below_the_threshold_nor_for_our_own_programs():
+    m, plain = fresh_machine(), replace(fresh_machine(), fresh_above=None, fault_rate=None)
+    small = (32 << 20) // 4  # exactly the threshold: the heap serves it
+    assert collective_seconds(
+        m, "allreduce", "mpi", 2, small, ranks_per_node=2
+    ) == collective_seconds(plain, "allreduce", "mpi", 2, small, ranks_per_node=2)
+    big = 16 << 20
+    for alg in ("ring", "rhd"):  # --allreduce ALG: our buffers are kept, never fresh
+        assert collective_seconds(
+            m, "allreduce", alg, 2, big, ranks_per_node=2
+        ) == collective_seconds(plain, "allreduce", alg, 2, big, ranks_per_node=2)
+    # the calibrate fit prices MPI's candidates as the library's
+    assert collective_seconds(
+        m, "allreduce", "rhd", 2, big, ranks_per_node=2, library=True
+    ) == collective_seconds(m, "allreduce", "mpi", 2, big, ranks_per_node=2)
+
+
+# -- the engine's own cost per op ---------------------------------------------------------------
+
+
+def test_op_overhead_is_charged_per_op_and_booked_as_overhead():
+    m = replace(crowded_machine(2, oversub=False), op_overhead=5e-6)
+    ops = (Compute("forward", flops=1e6), Collective("allreduce", "w", "x", 1), Compute("x"))
+    plans = [Plan(r, ops, {"w": (0, 1)}) for r in (0, 1)]
+
+    def run(mach, rpn=2):
+        cost = lambda r, op: op.flops / 1e9  # noqa: E731
+        return predict(plans, Topology(mach, rpn), cost, chooser(mach))
+
+    base = run(replace(m, op_overhead=0.0))
+    pred = run(m)
+    assert math.isclose(pred.time - base.time, 3 * 5e-6, rel_tol=1e-9)
+    assert all(math.isclose(b["overhead"], 15e-6) for b in pred.breakdown.values())
+    assert "overhead" not in base.breakdown[0] or base.breakdown[0]["overhead"] == 0
+    # crowded, the oversubscribed figure (when the file has one) replaces it
+    crowded = replace(m, cores_per_node=1, oversub=m.intra, oversub_op_overhead=50e-6)
+    assert math.isclose(run(crowded).breakdown[0]["overhead"], 150e-6)
+    assert math.isclose(
+        run(replace(crowded, oversub_op_overhead=None)).breakdown[0]["overhead"], 15e-6
+    )
+
+
+def test_fit_caps_a_flow_bandwidth_no_prediction_sees_at_the_nodes():
+    """A flow bandwidth above the node's is invisible (the bus caps every flow): the fit
+    caps it there, and every prediction stays what it was."""
+    from proxies.calibrate.fit import _unbind
+
+    wild = replace(machine(rpn=4, intra=156e9, lat=4e-6), cores_per_node=4, node_bandwidth=41e9)
+    capped = _unbind(wild, "intra.bandwidth", "node_bandwidth")
+    assert capped.intra == Level(4e-6, 41e9)
+    assert _unbind(capped, "intra.bandwidth", "node_bandwidth") == capped
+    for alg in ("ring", "rhd", "tree", "naive"):
+        for n in (2, 3, 4):
+            a = collective_seconds(wild, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
+            b = collective_seconds(capped, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
+            assert math.isclose(a, b, rel_tol=1e-12), (alg, n)
