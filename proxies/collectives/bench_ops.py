@@ -268,8 +268,9 @@ def predicted_seconds(
 ) -> float:
     """One call on `machine`: our algorithm as named, `mpi` as the machine file says the
     library runs it; sendrecv as one send and one receive per rank posted together."""
+    from proxies.core.mpi_choice import mpi_algorithm
     from proxies.core.plan import P2P, Collective, Msg, Plan
-    from proxies.core.predict import Topology, mpi_algorithm, predict
+    from proxies.core.predict import Topology, predict
 
     if not OPS[op].kind:
         plans = [

@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from proxies.core import cli, faults, report
+from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
 from proxies.core.plan import Collective, Compute, Plan, Wait
-from proxies.core.predict import Prediction, chooser, predict, representatives
+from proxies.core.predict import Prediction, predict, representatives
 from proxies.core.simulate import PlanError
 
 SIMULATE_OPS = 400_000  # fold identical ranks when every rank's ops would exceed this

@@ -24,7 +24,7 @@ from proxies.core.machine import (
     mpi_algorithms,
     parse_quantity,
 )
-from proxies.core.predict import MPICH_DEFAULTS
+from proxies.core.mpi_choice import MPICH_DEFAULTS
 from proxies.core.units import format_quantity
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "machines", "*.yaml")))

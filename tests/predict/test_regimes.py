@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from proxies.core.machine import Level, MachineError, dumps, load
+from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
-from proxies.core.predict import chooser, predict
+from proxies.core.predict import predict
 from proxies.core.prediction import collective_seconds
 
 from .test_machine import BASE, write
