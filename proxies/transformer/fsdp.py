@@ -49,12 +49,18 @@ EXTRA_PIECES = frozenset(
 
 
 def shard_units(layout: Layout) -> list[tuple[ShardUnit, int, int]]:
-    """(unit, lo, hi) of the stage's dense flat array, in the layout's backward order."""
+    """(unit, lo, hi) of the stage's dense flat array, in the layout's backward order: a
+    layer "h.<l>"; the extras before the layers (layer -1) as "wte" (leading) and
+    "extras" (the rest); an untied LM head's unit after them (layer -2: ln_f, lm_head,
+    LLaMA's) as "head"."""
     out: list[tuple[ShardUnit, int, int]] = []
     for u in layout.units:
         lo, hi = u.dense
         if u.layer >= 0:
             out.append((ShardUnit(f"h.{u.layer}", hi - lo), lo, hi))
+            continue
+        if u.layer == -2:  # after the layers: only an untied head reaches FSDP (LLaMA)
+            out.append((ShardUnit("head", hi - lo), lo, hi))
             continue
         if layout.wte is None or layout.wte[0] != lo:
             raise ValueError("FSDP needs the extras first, wte leading (GPT-3's layout)")
@@ -65,26 +71,46 @@ def shard_units(layout: Layout) -> list[tuple[ShardUnit, int, int]]:
     return out
 
 
-def _units_of(name: str, ch: Chunk, extras: tuple[str, ...]) -> tuple[str, ...]:
+# pieces that read the head's tensors (ln_f, the LM head) and the embedding's
+HEAD_PIECES = EXTRA_PIECES - {"fwd_embed"}
+EMBED_PIECES = frozenset({"fwd_embed", "bwd_embed"})
+
+
+def _units_of(
+    name: str, ch: Chunk, sides: tuple[tuple[str, ...], tuple[str, ...]]
+) -> tuple[str, ...]:
+    """The units a piece reads. sides: (embedding's units, head's units); the same tuple
+    for a tied head (GPT, BERT), whose extras every embedding or head piece reads."""
     kind, _, layer = name.partition(":")
     if layer:
         return (f"h.{layer}",)
-    if kind in EXTRA_PIECES or (kind == "bwd_end" and ch.embed):
-        return extras
-    return ()
+    embed, head = sides
+    if embed == head:
+        if kind in EXTRA_PIECES or (kind == "bwd_end" and ch.embed):
+            return embed
+        return ()
+    if kind in EMBED_PIECES or (kind == "bwd_end" and ch.embed):
+        return embed
+    return head if kind in HEAD_PIECES else ()
 
 
-def pass_steps(items, ops: tuple[Op, ...], ch: Chunk, extras: tuple[str, ...]) -> list[Step]:
+def pass_steps(
+    items, ops: tuple[Op, ...], ch: Chunk, sides: tuple[tuple[str, ...], tuple[str, ...]]
+) -> list[Step]:
     """A pass's ops as Steps: the units each piece reads (kept one compute piece past the
-    last piece naming them) and completes (-1: the extras, wte included)."""
+    last piece naming them) and completes (-1: the embedding's side, -2: an untied head's)."""
     from proxies.transformer.plan import Piece
 
     uses: list[set[str]] = [set() for _ in items]
     done: list[tuple[str, ...]] = [() for _ in items]
     for i, it in enumerate(items):
         if isinstance(it, Piece):
-            uses[i].update(_units_of(it.name, ch, extras))
-            done[i] = tuple(k for l in it.completes for k in (extras if l < 0 else (f"h.{l}",)))
+            uses[i].update(_units_of(it.name, ch, sides))
+            done[i] = tuple(
+                k
+                for l in it.completes
+                for k in (sides[0] if l == -1 else sides[1] if l < 0 else (f"h.{l}",))
+            )
             uses[i].update(done[i])
     pieces = [i for i, it in enumerate(items) if isinstance(it, Piece)]
     last: dict[str, int] = {}
@@ -113,6 +139,8 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
     table = shard_units(Layout(S, s))
     keys = {u.key for u, _, _ in table}
     extras = tuple(k for k in ("wte", "extras") if k in keys)
+    # a tied head reads the embedding's units; an untied one (LLaMA) its own
+    sides = (extras, extras) if S.cfg.tied else (extras, tuple(k for k in ("head",) if k in keys))
     g = groups(S, grid, rank)
     dp = g["dp"]
     shard, replica = hsdp_groups(dp, dp.index(rank), S.fsdp)
@@ -131,7 +159,7 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
         key = (op.name, op.chunk)
         if key not in steps:
             items = pieces.forward(ch) if op.name == "forward" else pieces.backward(ch)
-            steps[key] = pass_steps(items, expanded, ch, extras)
+            steps[key] = pass_steps(items, expanded, ch, sides)
         these = [Step(o, st.uses, st.completes) for o, st in zip(expanded, steps[key], strict=True)]
         ops += fs.pass_ops(these, reduce=op.name == "backward" and op.mb == last_mb[op.chunk])
     extra: list[Op] = []
