@@ -76,6 +76,13 @@ HEAD_PIECES = EXTRA_PIECES - {"fwd_embed"}
 EMBED_PIECES = frozenset({"fwd_embed", "bwd_embed"})
 
 
+def unit_sides(S: Setup, keys: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the embedding's units, the head's) of a stage's unit keys: a tied head (GPT, BERT)
+    reads the embedding's units, an untied one (LLaMA) its own."""
+    extras = tuple(k for k in ("wte", "extras") if k in keys)
+    return (extras, extras) if S.cfg.tied else (extras, tuple(k for k in ("head",) if k in keys))
+
+
 def _units_of(
     name: str, ch: Chunk, sides: tuple[tuple[str, ...], tuple[str, ...]]
 ) -> tuple[str, ...]:
@@ -129,18 +136,16 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
     expanded into its pieces with the units' gathers, frees and (each chunk's last
     backward) reduce-scatters around them; then the replica allreduces (HSDP), the tied
     embedding's shard summed between the first and last stage, AdamW on the shards."""
-    from proxies.transformer.plan import groups
+    from proxies.transformer.plan import cp_place, groups
 
     c = grid.coords(rank)
+    place = cp_place(S, grid, rank)  # context parallelism: its pieces (dp x cp shard units)
     s = c["pp"]
     chunks = S.chunks(s)
     actions = SCHEDULES[schedule](S.pp, S.m, s, S.v)
     last_mb = {a.chunk: a.mb for a in actions if a.kind == "B"}
     table = shard_units(Layout(S, s))
-    keys = {u.key for u, _, _ in table}
-    extras = tuple(k for k in ("wte", "extras") if k in keys)
-    # a tied head reads the embedding's units; an untied one (LLaMA) its own
-    sides = (extras, extras) if S.cfg.tied else (extras, tuple(k for k in ("head",) if k in keys))
+    sides = unit_sides(S, {u.key for u, _, _ in table})
     g = groups(S, grid, rank)
     dp = g["dp"]
     shard, replica = hsdp_groups(dp, dp.index(rank), S.fsdp)
@@ -155,10 +160,13 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
             ops.append(op)
             continue
         ch = chunks[op.chunk]
-        expanded = pieces.ops(op.name, ch, op.mb)
+        expanded = pieces.ops(op.name, ch, op.mb, place)
         key = (op.name, op.chunk)
         if key not in steps:
-            items = pieces.forward(ch) if op.name == "forward" else pieces.backward(ch)
+            if op.name == "forward":
+                items = pieces.forward(ch, place)
+            else:
+                items = pieces.backward(ch, place)
             steps[key] = pass_steps(items, expanded, ch, sides)
         these = [Step(o, st.uses, st.completes) for o, st in zip(expanded, steps[key], strict=True)]
         ops += fs.pass_ops(these, reduce=op.name == "backward" and op.mb == last_mb[op.chunk])
@@ -166,7 +174,37 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
     if "embed" in g:
         count = next(u for u, _, _ in table if u.key == "wte").shard(S.fsdp)
         extra.append(Collective("allreduce", "embed", "fsdp_rshard", count, mb=fs.index["wte"]))
+    layout = Layout(S, s)
+    if S.sp and layout.sp_size:
+        # sequence parallelism: the layernorms' (and row-parallel biases') gradients are
+        # partial sums over the tp ranks' sequence shards. Summing over tp commutes with the
+        # reduce-scatter over dp, so the reduced shards' elements of those tensors are
+        # summed over tp before AdamW (tp ranks share their dp coordinate: the same blocks)
+        count = sum(
+            b - a for _, a, b in sp_slices(table, layout.sp_ranges, S.fsdp, shard.index(rank))
+        )
+        extra += [
+            Compute("fsdp_sp_pack"),
+            Collective("allreduce", "tp", "fsdp_sp", count, category="tp_allreduce"),
+            Compute("fsdp_sp_unpack"),
+        ]
     return Plan(rank, tuple(ops + fs.end(extra)), g, c)
+
+
+def sp_slices(
+    table: list[tuple[ShardUnit, int, int]], sp_ranges: list[tuple[int, int]], n: int, r: int
+) -> list[tuple[int, int, int]]:
+    """(unit, lo, hi) of unit i's shard (block r of n) that hold sequence-parallel partial
+    gradients (layout.sp_ranges, flat indexes), unit by unit, ascending."""
+    out = []
+    for i, (u, lo, hi) in enumerate(table):
+        k = u.shard(n)
+        b_lo, b_hi = lo + r * k, min(lo + (r + 1) * k, hi)
+        for a, b in sorted(sp_ranges):
+            a, b = max(a, b_lo), min(b, b_hi)
+            if a < b:
+                out.append((i, a - b_lo, b - b_lo))
+    return out
 
 
 def fsdp_plans(S: Setup, grid: ProcessGrid, schedule: str, pieces):
@@ -220,6 +258,8 @@ class ShardedParams:
         self.landed: set[int] = set()  # units gathered in place, not yet unsharded
         self.rs_held: dict[int, int] = {}  # reduce-scatter slot -> unit not yet saved
         self.t = 0
+        self.sp = sp_slices(self.table, layout.sp_ranges, self.n, self.r) if S.sp else []
+        self.sp_buf = np.zeros(sum(b - a for _, a, b in self.sp), dtype=dt)
         for i in range(len(self.table)):  # nothing is readable (or resident) before its gather
             self._free(i)
 
@@ -249,6 +289,8 @@ class ShardedParams:
                 dest = self.slot_of[i] = self.slots[int(name[7:])][:P]
             self._block(dest, i)[...] = self.shards[i]
             return dest
+        if name == "fsdp_sp":
+            return self.sp_buf
         if name == "fsdp_rshard":
             self._save(i)
             return self.grads[i]
@@ -284,6 +326,9 @@ class ShardedParams:
                 del self.rs_held[s]
 
     def compute(self, name: str, i: int) -> None:
+        if name in ("fsdp_sp_pack", "fsdp_sp_unpack"):
+            self._sp(name == "fsdp_sp_pack")
+            return
         _, lo, hi = self.table[i]
         if name.startswith("fsdp_unshard:"):
             if i in self.landed:  # gathered in place: already there
@@ -297,6 +342,17 @@ class ShardedParams:
             self._free(i)
         else:
             raise ValueError(f"unknown FSDP op {name!r}")
+
+    def _sp(self, pack: bool) -> None:
+        """The reduced shards' sequence-parallel elements into sp_buf (pack) or back."""
+        at = 0
+        for i, a, b in self.sp:
+            if pack:
+                self._save(i)
+                self.sp_buf[at : at + b - a] = self.grads[i][a:b]
+            else:
+                self.grads[i][a:b] = self.sp_buf[at : at + b - a]
+            at += b - a
 
     def step(self, lr: float, weight_decay: float) -> None:
         """AdamW on each unit's shard with its reduced gradient block (elementwise, so the
@@ -374,6 +430,7 @@ def resident_peaks(plan: Plan, units: list[ShardUnit], n: int, m: int) -> tuple[
 
 def fsdp_text(S: Setup) -> str:
     """The gradient sync, as the headers word it."""
-    if S.fsdp == S.dp:
-        return f"FSDP (ZeRO-3) over dp {S.dp}"
-    return f"HSDP: sharded over {S.fsdp} ranks, replicated over {S.dp // S.fsdp}"
+    dp, over = S.dp * S.cp, f"dp {S.dp}" + (f" x cp {S.cp}" if S.cp > 1 else "")
+    if S.fsdp == dp:
+        return f"FSDP (ZeRO-3) over {over}"
+    return f"HSDP: sharded over {S.fsdp} ranks, replicated over {dp // S.fsdp}"

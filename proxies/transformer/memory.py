@@ -99,7 +99,7 @@ def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
 def real_parts(S: Setup, stage: int, dp_rank: int = 0, plan: Plan | None = None) -> dict[str, int]:
     if S.cp > 1:  # the rank's T/cp tokens, the attention core's state replaced
         Sl = replace(S, T=S.Tc, cp=1)
-        parts = real_parts(Sl, stage, dp_rank)
+        parts = real_parts(Sl, stage, dp_rank, plan)  # FSDP: the plan's gathered units
         layer, work, bufs = cp_parts(S, stage)
         B, NHl, Tl = S.B, S.cfg.n_head // S.tp, S.Tc
         layers = sum(
