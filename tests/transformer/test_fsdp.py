@@ -221,7 +221,7 @@ BAD = [
     (gpt3, ["--fsdp"], 1, "--fsdp shards over the data-parallel group, and its degree is 1"),
     (gpt3, ["--fsdp", "--fsdp-shard-size", "3"], 8, "must be at least 2 and divide"),
     (gpt3, ["--fsdp", "--moe-experts", "2"], 2, "with --moe-experts"),
-    (gpt3, ["--fsdp", "--cp", "2", "--fsdp-shard-size", "4"], 4, "divide the dp x cp ranks 2"),
+    (gpt3, ["--fsdp", "--cp", "2", "--fsdp-shard-size", "3"], 4, "divide the dp x cp ranks 4"),
     (gpt3, ["--fsdp", "--bucket-mb", "1"], 2, "with --bucket-mb"),
     (gpt2, ["--fsdp", "--zero", "1"], 2, "with --zero 1"),
     (gpt2, ["--fsdp", "--grad-sync", "fused"], 2, "with --grad-sync"),
