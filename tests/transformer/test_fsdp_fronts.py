@@ -1,7 +1,8 @@
 """--fsdp's plans on LLaMA (untied head), BERT, and with tp + sequence parallelism and cp,
 checked by hand: the units and their sizes, which group each collective runs on, the
 sequence-parallel sum's size, every piece running with its units gathered; bad input is
-one UsageError (cli.run_main: one line, exit status 2). Real-compute equalities: test_fsdp_fronts_mpi.py."""
+one UsageError (cli.run_main: one line, exit status 2). Real-compute equalities:
+test_fsdp_fronts_mpi.py."""
 
 from __future__ import annotations
 
