@@ -98,6 +98,7 @@ def test_sequence_parallel_sums_the_shards_layernorms_over_tp():
         counts[j.grid.coords(rank)["dp"], j.grid.coords(rank)["tp"]] = sp[0].count
     assert counts[0, 0] == counts[0, 1] and counts[1, 0] == counts[1, 1]  # tp peers agree
     assert counts[0, 0] + counts[1, 0] == 2 * 2 * 64 + 64 == Layout(j.setup, 0).sp_size
+    assert counts[1, 0] == 0  # ln_1 and ln_2 lie in a layer's first half, ln_f leads "head"
 
 
 def test_context_parallel_shards_over_dp_times_cp():
