@@ -367,8 +367,10 @@ class ShardedParams:
 
     @property
     def nbytes(self) -> int:
-        """What this state allocates (shards, moments, slots, reduce-scatter buffers)."""
+        """What this state allocates (shards, moments, slots, reduce-scatter buffers, the
+        sequence-parallel sum's buffer)."""
         arrays = self.shards + self.grads + self.m + self.v + self.slots + self.rs_slots
+        arrays.append(self.sp_buf)
         return sum(a.nbytes for a in arrays)
 
 

@@ -145,3 +145,22 @@ def test_bad_input_is_a_usage_error(mod, argv, world, words):
     """The job builder's UsageError: cli.run_main's one line on stderr and exit status 2."""
     with pytest.raises(UsageError, match=words):
         job(mod, argv, world)
+
+
+def test_runtime_packs_what_the_plan_sums():
+    """Each rank's runtime (real compute) packs as many sequence-parallel elements as its
+    plan's tp allreduce sends, and the memory estimate counts that buffer."""
+    from proxies.transformer.memory import estimate
+
+    j = job(llama, ["2", "1", *LLAMA, *SP, "--compute", "real"], 4)
+    for rank in range(4):
+        plan = j.plan(rank)
+        (sp,) = [op for op in plan.ops if isinstance(op, Collective) and op.buf == "fsdp_sp"]
+        rt = j.runtime(rank, None, None, "real")
+        assert rt.fsdp.sp_buf.size == sp.count
+        assert rt.fsdp.buffer("fsdp_sp", 0) is rt.fsdp.sp_buf
+        without = plan.__class__(
+            plan.rank, tuple(op for op in plan.ops if op is not sp), plan.groups, plan.coords
+        )
+        est = estimate(j.setup, 0, 0, "real", plan)["gradients"]
+        assert est - estimate(j.setup, 0, 0, "real", without)["gradients"] == 4 * sp.count
