@@ -6,6 +6,7 @@ bad input refused."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ def test_units_are_the_pieces_each_padded_to_a_multiple_of_n(n):
         assert lo % n == 0 and hi - lo == u.size and u.padded(n) % n == 0
     # backward order: the head first, the stem last, each range padded before the next
     spans = sorted((lo, lo + u.padded(n)) for u, lo, _ in table)
-    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert min(spans)[0] == next(lo for u, lo, _ in table if u.key == "head")
     if n == 1:  # no padding: the DDP layout
         assert offsets == ResNetModel(TINY).offsets
