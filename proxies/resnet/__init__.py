@@ -9,5 +9,15 @@ SPEC = ProxySpec(
     name="resnet",
     summary="ResNet-50/152: data parallel, gradient buckets overlapped with backward",
     module="proxies.resnet.proxy",
-    categories={},
+    # FSDP (--fsdp, resnet/fsdp.py): the transformers' categories for the same collectives
+    categories={
+        "fsdp_allgather": "FSDP parameter all-gather",
+        "fsdp_reduce_scatter": "FSDP gradient reduce-scatter",
+        "hsdp_allreduce": "HSDP replica allreduce (reduced shards)",
+    },
+    short={
+        "fsdp_allgather": "fsdp ag",
+        "fsdp_reduce_scatter": "fsdp rs",
+        "hsdp_allreduce": "hsdp ar",
+    },
 )

@@ -26,8 +26,13 @@ def _cols(c, B: int) -> int:
     return B * c.cin * c.k * c.k * c.h * c.w
 
 
-def estimate(cfg: ResNetConfig | None, B: int, mode: str, plan: Plan) -> dict[str, int]:
-    """Bytes per part of one rank under --compute `mode` (cfg None: a C++ preset)."""
+def estimate(
+    cfg: ResNetConfig | None, B: int, mode: str, plan: Plan, shard: int = 0
+) -> dict[str, int]:
+    """Bytes per part of one rank under --compute `mode` (cfg None: a C++ preset; shard:
+    FSDP's shard group size, 0 without)."""
+    if shard:
+        return _fsdp(cfg, B, mode, plan, shard)
     bufs = sum(op.count for op in plan.ops if isinstance(op, Collective) and op.buf != "grads")
     grads_synced = any(isinstance(op, Collective) for op in plan.ops)
     if cfg is None or mode not in ("real", "replay"):
@@ -35,7 +40,41 @@ def estimate(cfg: ResNetConfig | None, B: int, mode: str, plan: Plan) -> dict[st
         # Span / per-tensor keys name slices of the one flat array
         bufs = 0 if cfg is not None else bufs
         return memory.complete({"gradients": F32 * n, "buffers": F32 * bufs}, plan)
-    n = cfg.num_params
+    return memory.complete(
+        {
+            "parameters": F32 * 2 * cfg.num_params,  # the weights and the momentum buffer
+            "gradients": F32 * cfg.num_params,
+            **_compute_parts(cfg, B),
+        },
+        plan,
+    )
+
+
+def _fsdp(cfg: ResNetConfig, B: int, mode: str, plan: Plan, n: int) -> dict[str, int]:
+    """FSDP (resnet/fsdp.py ResNetShards): parameters the shards, their momentum and the
+    most units gathered at once (in use and prefetched); gradients the reduced shards and
+    the most unsharded ones resident at once. Model/none compute: the engine's zero slots
+    (two gathers, two reduce-scatters, the HSDP shard) instead of the model's arrays."""
+    from proxies.resnet.fsdp import gathered_peak, grads_peak, shard_units
+
+    units = [u for u, _, _ in shard_units(cfg, n)]
+    shards = sum(u.shard(n) for u in units)
+    largest = max(u.padded(n) for u in units)
+    if mode not in ("real", "replay"):
+        rshard = max(u.shard(n) for u in units) if "hsdp" in plan.groups else 0
+        return memory.complete({"buffers": F32 * (4 * largest + rshard)}, plan)
+    return memory.complete(
+        {
+            "parameters": F32 * (2 * shards + gathered_peak(plan, units, n)),
+            "gradients": F32 * (shards + grads_peak(plan, units, n)),
+            **_compute_parts(cfg, B),
+        },
+        plan,
+    )
+
+
+def _compute_parts(cfg: ResNetConfig, B: int) -> dict[str, int]:
+    """Activations, workspace and BLAS of the real compute (see the module doc)."""
     acts = 0
     for c in cfg.layers:
         out = B * c.cout * c.h * c.w
@@ -47,13 +86,8 @@ def estimate(cfg: ResNetConfig | None, B: int, mode: str, plan: Plan) -> dict[st
     pooled = B * stem.cout * ((stem.h + 1) // 2) ** 2
     # the stem's backward makes no input gradient: no columns, no padded gradient
     work = max(2 * max(_cols(c, B), B * c.cin * c.h * c.w * c.stride**2) for c in cfg.layers[1:])
-    return memory.complete(
-        {
-            "parameters": F32 * 2 * n,  # the weights and the momentum buffer
-            "gradients": F32 * n,
-            "activations": F32 * acts + I64 * pooled,
-            "workspace": F32 * (work + 2 * B * 3 * cfg.image_size**2),  # + the images
-            "blas": memory.blas_workspace(),
-        },
-        plan,
-    )
+    return {
+        "activations": F32 * acts + I64 * pooled,
+        "workspace": F32 * (work + 2 * B * 3 * cfg.image_size**2),  # + the images
+        "blas": memory.blas_workspace(),
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proxies.core.fsdp import anonymous
 from proxies.resnet import kernels as K
 from proxies.resnet.config import ResNetConfig
 
@@ -28,24 +29,43 @@ def batch(cfg: ResNetConfig, seed: int, first: int, B: int, dtype=np.float32):
     return np.stack([x for x, _ in xs]), np.array([y for _, y in xs])
 
 
+def layout(cfg: ResNetConfig, pad: int = 1) -> tuple[dict[str, tuple[int, int]], int]:
+    """({tensor: [lo, hi)}, length) of the flat arrays: backward order, each plan piece's
+    tensors contiguous, a piece's range padded to a multiple of `pad`."""
+    from proxies.resnet.plans import piece_of
+
+    offsets: dict[str, tuple[int, int]] = {}
+    lo = start = 0
+    piece = None
+    for name, c in reversed(cfg.tensors):
+        if piece_of(name) != piece:
+            lo = start = start + -(-(lo - start) // pad) * pad
+            piece = piece_of(name)
+        offsets[name] = (lo, lo + c)
+        lo += c
+    return offsets, start + -(-(lo - start) // pad) * pad
+
+
 class ResNetModel:
     """Parameters, gradients, momentum and batch-norm running statistics of one replica.
 
     forward_piece / backward_piece run one plan piece on the activations kept in between;
     backward accumulates into `grads` (zero_grad after the step)."""
 
-    def __init__(self, cfg: ResNetConfig, seed: int = 0, dtype=np.float32):
+    def __init__(self, cfg: ResNetConfig, seed: int = 0, dtype=np.float32, pad: int = 1):
+        """pad > 1 (FSDP, resnet/fsdp.py): each plan piece's range starts at a multiple of
+        pad and is followed by zeros up to one (its unit padded for an equal shard per
+        rank); params and grads are private anonymous memory (core/fsdp.py anonymous, so a
+        freed unit's pages can be given back) and the momentum lives with the shards."""
         self.cfg, self.dtype = cfg, dtype
-        order = list(reversed(cfg.tensors))  # backward order
-        n = sum(c for _, c in order)
-        self.params = np.zeros(n, dtype)
-        self.grads = np.zeros(n, dtype)
-        self.momentum_buf = np.zeros(n, dtype)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        lo = 0
-        for name, c in order:
-            self.offsets[name] = (lo, lo + c)
-            lo += c
+        self.offsets, n = layout(cfg, pad)
+        if pad > 1:
+            self.params, self.grads = anonymous(n, dtype), anonymous(n, dtype)
+            self.momentum_buf = np.zeros(0, dtype)
+        else:
+            self.params = np.zeros(n, dtype)
+            self.grads = np.zeros(n, dtype)
+            self.momentum_buf = np.zeros(n, dtype)
         self.convs = {c.name: c for c in cfg.layers}
         # Batch-norm buffers as torchvision's buffers() lists them, flattened per dtype as
         # DDP's coalesced broadcast sends them: running mean and var of every layer (float),

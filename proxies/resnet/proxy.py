@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Collective, Compute, Plan, Span
 from proxies.resnet import SPEC
 from proxies.resnet.config import CPP_PRESETS, CPP_SCALED, PRESETS, CppPreset, ResNetConfig
+from proxies.resnet.fsdp import ResNetShards, fsdp_plan, fsdp_text, shard_units
 from proxies.resnet.memory import estimate as estimate_memory
 from proxies.resnet.plans import cpp_ops, model_ops, tensor_bounded
 
@@ -98,6 +100,22 @@ def parser() -> argparse.ArgumentParser:
         "(the C++ presets: they send none)",
     )
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP / ZeRO-3: parameters, gradients and momentum sharded over the replicas by "
+        "unit (the stem, each bottleneck block, the fc head); each unit all-gathered before "
+        "its forward and again before its backward (the next one prefetched), its gradients "
+        "reduce-scattered after its backward; SGD on this rank's shards (resnet/fsdp.py)",
+    )
+    p.add_argument(
+        "--fsdp-shard-size",
+        type=cli.positive_int,
+        metavar="N",
+        help="with --fsdp: hybrid sharding (HSDP): shard within groups of N consecutive "
+        "ranks, replicate over the world / N groups (the reduced shards allreduced across "
+        "them); default: every rank",
+    )
+    p.add_argument(
         "--lr",
         type=cli.learning_rate,
         help="SGD learning rate (default 0.1 x global batch / 256: torchvision's 0.1 for "
@@ -137,14 +155,18 @@ class ResNetRuntime:
         B: int,
         args: argparse.Namespace,
         dtype: type = np.float32,
+        shard: int = 0,
     ) -> None:
         self.cfg, self.d, self.B, self.dp = cfg, d, B, len(plan.groups["dp"])
         self.args, self.dtype = args, dtype
-        self.model = None
+        self.model = self.fsdp = None
         if mode in ("real", "replay") and cfg is not None:
             from proxies.resnet.model import ResNetModel
 
-            self.model = ResNetModel(cfg, args.seed, dtype)
+            self.model = ResNetModel(cfg, args.seed, dtype, pad=max(shard, 1))
+            if shard:  # ZeRO-3: the shards, gathered into the model per unit (fsdp.py)
+                fill = 0.0 if mode == "replay" else np.nan
+                self.fsdp = ResNetShards(cfg, self.model, shard, d % shard, fill)
         self.bufs: dict[str, np.ndarray] = {}
         grads = self.model.grads if self.model else None
         for coll in plan.ops:
@@ -152,7 +174,12 @@ class ResNetRuntime:
                 continue
             name = coll.buf.name if isinstance(coll.buf, Span) else coll.buf
             flat = name == "grads" or name.startswith("grad:")  # slices of the one array
-            if flat and grads is None:
+            if name.startswith("fsdp") and self.fsdp is None:  # model/none: one zero slot each
+                size = max(coll.count, len(self.bufs.get(name, ())))
+                self.bufs[name] = np.zeros(size, dtype)
+            elif name.startswith("fsdp"):
+                continue
+            elif flat and grads is None:
                 grads = np.zeros(cfg.num_params, dtype)
             elif name in ("bn_stats", "bn_counts") and self.model is not None:
                 self.bufs[name] = getattr(self.model, name)  # broadcast in place
@@ -164,6 +191,8 @@ class ResNetRuntime:
         self.loss, self.losses = 0.0, 0
 
     def buffer(self, name: str | Span, mb: int, chunk: int) -> np.ndarray:
+        if self.fsdp is not None and isinstance(name, str) and name.startswith("fsdp"):
+            return self.fsdp.buffer(name, mb)
         if isinstance(name, Span):
             return self.grads[name.lo : name.hi]
         if name == "grads":
@@ -193,6 +222,12 @@ class ResNetRuntime:
 
             first = iteration * self.dp * self.B + self.d * self.B  # global sample index
             self.x, self.labels = batch(self.cfg, self.args.seed, first, self.B, self.dtype)
+        elif op.name == "optimizer" and self.fsdp is not None:
+            a = self.args
+            self.fsdp.step(a.lr, a.momentum, a.weight_decay, 1.0 / self.dp)
+        elif op.name.startswith("fsdp_"):
+            if self.fsdp is not None:
+                self.fsdp.compute(op.name, op.mb)
         elif op.name == "optimizer":
             a = self.args
             m.step(a.lr, a.momentum, a.weight_decay, 1.0 / self.dp)  # DDP averages
@@ -229,6 +264,8 @@ def resolve(
             ("--grad-sync", args.grad_sync),
             ("--bucket-mb", args.bucket_mb),
             ("--broadcast-buffers", args.broadcast_buffers),
+            ("--fsdp", args.fsdp or None),
+            ("--fsdp-shard-size", args.fsdp_shard_size),
         ):
             if val is not None:
                 raise cli.UsageError(
@@ -270,7 +307,28 @@ def resolve(
     )
     if args.bucket_mb is not None and args.grad_sync not in (None, "buckets"):
         raise cli.UsageError(f"--bucket-mb needs --grad-sync buckets (it is {args.grad_sync})")
+    fsdp_rules(args, world)
     return cfg, None, args.batch or base.batch, (0.0, 0.0)
+
+
+def fsdp_rules(args: argparse.Namespace, world: int) -> None:
+    """--fsdp / --fsdp-shard-size against the run (gpt3's rules: transformer/options.py)."""
+    n = args.fsdp_shard_size
+    if not args.fsdp:
+        if n is not None:
+            raise cli.UsageError(f"--fsdp-shard-size {n} needs --fsdp")
+        return
+    if world < 2:
+        raise cli.UsageError("--fsdp shards over the data-parallel group, and its degree is 1")
+    for opt, given in (("--grad-sync", args.grad_sync), ("--bucket-mb", args.bucket_mb)):
+        if given is not None:  # FSDP reduce-scatters per unit: no allreduce buckets
+            raise cli.UsageError(f"--fsdp does not combine with {opt}")
+    n = world if n is None else n
+    if n < 2 or world % n:
+        raise cli.UsageError(
+            f"--fsdp-shard-size {n} must be at least 2 and divide the data-parallel degree {world}"
+        )
+    args.fsdp_shard_size = n
 
 
 def make_job(args: argparse.Namespace, world: int) -> runner.Job:
@@ -285,7 +343,8 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
     grid = ProcessGrid.create("dp", dp=world)
     everyone = tuple(range(world))
     real = args.compute in ("real", "replay")
-    policy = args.grad_sync or "buckets"
+    shard = args.fsdp_shard_size if args.fsdp else 0
+    policy = "fsdp" if shard else args.grad_sync or "buckets"
     mb = DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb
     bucket = math.ceil(mb * 2**20 / 4) if policy == "buckets" else 0
     if pre is not None and cfg is not None:  # real compute, the C++ proxy's buckets
@@ -293,18 +352,22 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
     elif pre is not None:
         ops = tuple(cpp_ops(pre, B, fwd_us, bwd_us, world))
     else:
-        bcast = args.broadcast_buffers != "off"
-        ops = tuple(model_ops(cfg, B, world, policy, bucket, real, bcast))
+        bn_bcast = args.broadcast_buffers != "off" and world > 1
+        ops = () if shard else tuple(model_ops(cfg, B, world, policy, bucket, real, bn_bcast))
 
+    @functools.lru_cache(maxsize=1024)
     def plan(rank: int) -> Plan:
+        if shard:
+            return fsdp_plan(cfg, B, world, shard, rank, real, bn_bcast)
         return Plan(rank, ops, {"dp": everyone}, {"dp": rank})
 
     def runtime(rank, MPI, comms, mode, dtype=np.float32):
-        return ResNetRuntime(cfg, plan(rank), mode, rank, B, args, dtype)
+        return ResNetRuntime(cfg, plan(rank), mode, rank, B, args, dtype, shard)
 
     model = cfg if cfg is not None else pre.model
-    sizes = [c.count for c in ops if isinstance(c, Collective) and c.kind == "allreduce"]
-    bcast = [c.count for c in ops if isinstance(c, Collective) and c.kind == "bcast"]
+    ops0 = plan(0).ops
+    sizes = [c.count for c in ops0 if isinstance(c, Collective) and c.kind == "allreduce"]
+    bcast = [c.count for c in ops0 if isinstance(c, Collective) and c.kind == "bcast"]
     config = {
         "model": args.model,
         "blocks": list(model.blocks),
@@ -318,6 +381,7 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
         "grad_sync": "cpp" if pre else policy,
         "bucket_mb": mb if policy == "buckets" and not pre else None,
         "broadcast_buffers": bool(bcast),
+        "fsdp_shard_size": shard or None,  # FSDP's shard group (world, or HSDP's N); None: off
         # (no list of allreduce sizes: they follow --grad-sync and --bucket-mb, which compare
         # treats as how the same work is done; the header and the dry run list them)
         "compute": args.compute,
@@ -334,6 +398,9 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
         "allreduce": args.allreduce,
         "device_tflops": args.device_tflops,
     }
+    if shard:
+        units = [u for u, _, _ in shard_units(cfg, shard)]
+        sizes = [u.padded(shard) for u in units]  # the header lists the units' gathers
     header = describe(args, model, pre, B, world, policy, mb, sizes, fwd_us, bwd_us)
     if bcast:
         header.insert(
@@ -347,14 +414,14 @@ def make_job(args: argparse.Namespace, world: int) -> runner.Job:
         config=config,
         grid=grid,
         plan=plan,
-        group_names=("dp",),
+        group_names=("dp", "fsdp", "hsdp"),
         label=lambda rank: "replica",
         header=header,
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset({"dp_allreduce"}),
+        grad_categories=frozenset({"dp_allreduce", "fsdp_reduce_scatter", "hsdp_allreduce"}),
         fp32_buffers=frozenset({"bn_stats"}),  # DDP broadcasts buffers in their own dtype
-        memory=lambda rank, plan: estimate_memory(cfg, B, args.compute, plan),
+        memory=lambda rank, plan: estimate_memory(cfg, B, args.compute, plan, shard),
         categories=SPEC.categories,
         short=SPEC.short,
     )
@@ -382,6 +449,12 @@ def describe(args, model, pre, B, world, policy, mb, sizes, fwd_us, bwd_us) -> l
             if pre.forward_us or pre.scaled
             else f"the C++ proxy's {pre.source}: {len(pre.sizes)} allreduces, {kind}"
         )
+    elif policy == "fsdp":
+        sync = (
+            f"{fsdp_text(world, args.fsdp_shard_size)}: {len(sizes)} units (stem, blocks, "
+            "head), each all-gathered before its forward and its backward, reduce-scattered "
+            "after its backward"
+        )
     elif world == 1:
         sync = "gradients: no allreduce on 1 rank"
     elif policy == "buckets":
@@ -390,7 +463,7 @@ def describe(args, model, pre, B, world, policy, mb, sizes, fwd_us, bwd_us) -> l
         sync = f"gradients: {policy}, {len(sizes)} allreduce(s) after the backward"
     if sizes:
         shown = ", ".join(f"{n:,}" for n in sizes[:12]) + (", ..." if len(sizes) > 12 else "")
-        sync += f" · floats: {shown}"
+        sync += f" · {'padded units' if policy == 'fsdp' else 'floats'}: {shown}"
     return [
         head,
         grid,
