@@ -1,8 +1,8 @@
 """Run under mpiexec by tests/transformer/test_cp_mpi.py: several runs of the GPT proxies in
 one MPI process group (one start-up for many context-parallel configurations).
 
-Arguments: OUT_DIR, then runs separated by "--": each PROG (gpt2 | gpt3 | llama) and its argv. Run k
-writes OUT_DIR/k.json (its --json); a run whose job building fails writes
+Arguments: OUT_DIR, then runs separated by "--": each PROG (gpt2 | gpt3 | llama | bert) and
+its argv. Run k writes OUT_DIR/k.json (its --json); a run whose job building fails writes
 OUT_DIR/k.error with the message (rank 0)."""
 
 import os
@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from proxies.bert import proxy as bert
 from proxies.core import cli, mpi, runner
 from proxies.gpt2 import proxy as gpt2
 from proxies.gpt3 import proxy as gpt3
@@ -27,7 +28,7 @@ for a in rest + ["--"]:
     else:
         cur.append(a)
 for k, (prog, *argv) in enumerate(runs):
-    mod = {"gpt2": gpt2, "gpt3": gpt3, "llama": llama}[prog]
+    mod = {"gpt2": gpt2, "gpt3": gpt3, "llama": llama, "bert": bert}[prog]
     args = mod.parser().parse_args([*argv, "--json", os.path.join(out_dir, f"{k}.json")])
     try:
         job = mod.make_job(args, world.size)

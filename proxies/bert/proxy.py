@@ -108,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="context parallelism: not supported for BERT (only 1)",
     )
+    options.add_fsdp(p)
     options.add_training(p, lr=1e-4, defaults_in_help=False)
     cli.add_common(
         p,
@@ -158,12 +159,18 @@ def resolve(args, world: int) -> tuple[Setup, ProcessGrid]:
     if T < 2:
         raise err(f"--seq-len {T}: BERT's two segments need at least 2 tokens")
     bucket = options.bucket_elements(args.bucket_mb) if args.bucket_mb is not None else 0
+    fsdp_fields = options.fsdp_rules(
+        args,
+        world // (tp * pp),
+        refused=((f"--model {cpp.PRESET}", preset), ("--bucket-mb", args.bucket_mb is not None)),
+    )
     S = Setup(
         cfg.with_layers(L), B, T, m, tp, pp, world // (tp * pp), 1, False,
         padded_vocab(cfg.vocab_size, tp, 128), tuple(options.split_layers(L, pp)),
         bucket=bucket, inflight=args.inflight_buckets, model=args.model,
         schedule="cpp" if preset else args.schedule, bucket_mb=args.bucket_mb,
         param_order=BERT_ORDER, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+        **fsdp_fields,
     )  # fmt: skip
     try:
         if not preset:
@@ -200,6 +207,7 @@ def make_job(args, world: int) -> runner.Job:
 
     own = {"tp": S.tp, "vocab_padded": S.vocab, "dp_bucket": S.bucket, "norm": S.cfg.norm}
     own["masked_per_sample"] = masked_per_sample(S.T)
+    own["fsdp_shard_size"] = S.fsdp or None  # FSDP's shard group (dp, or HSDP's N); None: off
     config = describe.config(S, grid, args, own, data="none" if preset else "synthetic")
     if preset:
         messages = (
@@ -225,12 +233,14 @@ def make_job(args, world: int) -> runner.Job:
         config=config,
         grid=grid,
         plan=plan,
-        group_names=("pp", "tp", "dp", "embed"),
+        group_names=("pp", "tp", "dp", "embed", "fsdp", "hsdp"),
         label=label,
         header=header,
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset({"dp_allreduce", "embed_allreduce"}),
+        grad_categories=frozenset(
+            {"dp_allreduce", "embed_allreduce", "fsdp_reduce_scatter", "hsdp_allreduce"}
+        ),
         fp32_buffers=frozenset({"ce"}),
         fold=("tp", "dp"),
         setup=S,

@@ -131,7 +131,7 @@ def make_job(args, world: int) -> runner.Job:
         model_extra=arch_text(S),
         messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
     )
-    groups = ("pp", "tp", "dp", "ep", "edp", *describe.cp_groups(S))
+    groups = ("pp", "tp", "dp", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
     return runner.Job(
         prog=PROG,
         proxy="llama",
@@ -143,7 +143,9 @@ def make_job(args, world: int) -> runner.Job:
         header=header,
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset({"dp_allreduce", "edp_allreduce"}),
+        grad_categories=frozenset(
+            {"dp_allreduce", "edp_allreduce", "fsdp_reduce_scatter", "hsdp_allreduce"}
+        ),
         fp32_buffers=frozenset({"ce"}),
         fold=("tp", "dp"),
         setup=S,

@@ -49,12 +49,18 @@ EXTRA_PIECES = frozenset(
 
 
 def shard_units(layout: Layout) -> list[tuple[ShardUnit, int, int]]:
-    """(unit, lo, hi) of the stage's dense flat array, in the layout's backward order."""
+    """(unit, lo, hi) of the stage's dense flat array, in the layout's backward order: a
+    layer "h.<l>"; the extras before the layers (layer -1) as "wte" (leading) and
+    "extras" (the rest); an untied LM head's unit after them (layer -2: ln_f, lm_head,
+    LLaMA's) as "head"."""
     out: list[tuple[ShardUnit, int, int]] = []
     for u in layout.units:
         lo, hi = u.dense
         if u.layer >= 0:
             out.append((ShardUnit(f"h.{u.layer}", hi - lo), lo, hi))
+            continue
+        if u.layer == -2:  # after the layers: only an untied head reaches FSDP (LLaMA)
+            out.append((ShardUnit("head", hi - lo), lo, hi))
             continue
         if layout.wte is None or layout.wte[0] != lo:
             raise ValueError("FSDP needs the extras first, wte leading (GPT-3's layout)")
@@ -65,26 +71,53 @@ def shard_units(layout: Layout) -> list[tuple[ShardUnit, int, int]]:
     return out
 
 
-def _units_of(name: str, ch: Chunk, extras: tuple[str, ...]) -> tuple[str, ...]:
+# pieces that read the head's tensors (ln_f, the LM head) and the embedding's
+HEAD_PIECES = EXTRA_PIECES - {"fwd_embed"}
+EMBED_PIECES = frozenset({"fwd_embed", "bwd_embed"})
+
+
+def unit_sides(S: Setup, keys: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the embedding's units, the head's) of a stage's unit keys: a tied head (GPT, BERT)
+    reads the embedding's units, an untied one (LLaMA) its own."""
+    extras = tuple(k for k in ("wte", "extras") if k in keys)
+    return (extras, extras) if S.cfg.tied else (extras, tuple(k for k in ("head",) if k in keys))
+
+
+def _units_of(
+    name: str, ch: Chunk, sides: tuple[tuple[str, ...], tuple[str, ...]]
+) -> tuple[str, ...]:
+    """The units a piece reads. sides: (embedding's units, head's units); the same tuple
+    for a tied head (GPT, BERT), whose extras every embedding or head piece reads."""
     kind, _, layer = name.partition(":")
     if layer:
         return (f"h.{layer}",)
-    if kind in EXTRA_PIECES or (kind == "bwd_end" and ch.embed):
-        return extras
-    return ()
+    embed, head = sides
+    if embed == head:
+        if kind in EXTRA_PIECES or (kind == "bwd_end" and ch.embed):
+            return embed
+        return ()
+    if kind in EMBED_PIECES or (kind == "bwd_end" and ch.embed):
+        return embed
+    return head if kind in HEAD_PIECES else ()
 
 
-def pass_steps(items, ops: tuple[Op, ...], ch: Chunk, extras: tuple[str, ...]) -> list[Step]:
+def pass_steps(
+    items, ops: tuple[Op, ...], ch: Chunk, sides: tuple[tuple[str, ...], tuple[str, ...]]
+) -> list[Step]:
     """A pass's ops as Steps: the units each piece reads (kept one compute piece past the
-    last piece naming them) and completes (-1: the extras, wte included)."""
+    last piece naming them) and completes (-1: the embedding's side, -2: an untied head's)."""
     from proxies.transformer.plan import Piece
 
     uses: list[set[str]] = [set() for _ in items]
     done: list[tuple[str, ...]] = [() for _ in items]
     for i, it in enumerate(items):
         if isinstance(it, Piece):
-            uses[i].update(_units_of(it.name, ch, extras))
-            done[i] = tuple(k for l in it.completes for k in (extras if l < 0 else (f"h.{l}",)))
+            uses[i].update(_units_of(it.name, ch, sides))
+            done[i] = tuple(
+                k
+                for l in it.completes
+                for k in (sides[0] if l == -1 else sides[1] if l < 0 else (f"h.{l}",))
+            )
             uses[i].update(done[i])
     pieces = [i for i, it in enumerate(items) if isinstance(it, Piece)]
     last: dict[str, int] = {}
@@ -103,16 +136,16 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
     expanded into its pieces with the units' gathers, frees and (each chunk's last
     backward) reduce-scatters around them; then the replica allreduces (HSDP), the tied
     embedding's shard summed between the first and last stage, AdamW on the shards."""
-    from proxies.transformer.plan import groups
+    from proxies.transformer.plan import cp_place, groups
 
     c = grid.coords(rank)
+    place = cp_place(S, grid, rank)  # context parallelism: its pieces (dp x cp shard units)
     s = c["pp"]
     chunks = S.chunks(s)
     actions = SCHEDULES[schedule](S.pp, S.m, s, S.v)
     last_mb = {a.chunk: a.mb for a in actions if a.kind == "B"}
     table = shard_units(Layout(S, s))
-    keys = {u.key for u, _, _ in table}
-    extras = tuple(k for k in ("wte", "extras") if k in keys)
+    sides = unit_sides(S, {u.key for u, _, _ in table})
     g = groups(S, grid, rank)
     dp = g["dp"]
     shard, replica = hsdp_groups(dp, dp.index(rank), S.fsdp)
@@ -127,18 +160,51 @@ def fsdp_plan(S: Setup, grid: ProcessGrid, rank: int, schedule: str, pieces) -> 
             ops.append(op)
             continue
         ch = chunks[op.chunk]
-        expanded = pieces.ops(op.name, ch, op.mb)
+        expanded = pieces.ops(op.name, ch, op.mb, place)
         key = (op.name, op.chunk)
         if key not in steps:
-            items = pieces.forward(ch) if op.name == "forward" else pieces.backward(ch)
-            steps[key] = pass_steps(items, expanded, ch, extras)
+            if op.name == "forward":
+                items = pieces.forward(ch, place)
+            else:
+                items = pieces.backward(ch, place)
+            steps[key] = pass_steps(items, expanded, ch, sides)
         these = [Step(o, st.uses, st.completes) for o, st in zip(expanded, steps[key], strict=True)]
         ops += fs.pass_ops(these, reduce=op.name == "backward" and op.mb == last_mb[op.chunk])
     extra: list[Op] = []
     if "embed" in g:
         count = next(u for u, _, _ in table if u.key == "wte").shard(S.fsdp)
         extra.append(Collective("allreduce", "embed", "fsdp_rshard", count, mb=fs.index["wte"]))
+    layout = Layout(S, s)
+    if S.sp and layout.sp_size:
+        # sequence parallelism: the layernorms' (and row-parallel biases') gradients are
+        # partial sums over the tp ranks' sequence shards. Summing over tp commutes with the
+        # reduce-scatter over dp, so the reduced shards' elements of those tensors are
+        # summed over tp before AdamW (tp ranks share their dp coordinate: the same blocks)
+        count = sum(
+            b - a for _, a, b in sp_slices(table, layout.sp_ranges, S.fsdp, shard.index(rank))
+        )
+        extra += [
+            Compute("fsdp_sp_pack"),
+            Collective("allreduce", "tp", "fsdp_sp", count, category="tp_allreduce"),
+            Compute("fsdp_sp_unpack"),
+        ]
     return Plan(rank, tuple(ops + fs.end(extra)), g, c)
+
+
+def sp_slices(
+    table: list[tuple[ShardUnit, int, int]], sp_ranges: list[tuple[int, int]], n: int, r: int
+) -> list[tuple[int, int, int]]:
+    """(unit, lo, hi) of unit i's shard (block r of n) that hold sequence-parallel partial
+    gradients (layout.sp_ranges, flat indexes), unit by unit, ascending."""
+    out = []
+    for i, (u, lo, hi) in enumerate(table):
+        k = u.shard(n)
+        b_lo, b_hi = lo + r * k, min(lo + (r + 1) * k, hi)
+        for a, b in sorted(sp_ranges):
+            a, b = max(a, b_lo), min(b, b_hi)
+            if a < b:
+                out.append((i, a - b_lo, b - b_lo))
+    return out
 
 
 def fsdp_plans(S: Setup, grid: ProcessGrid, schedule: str, pieces):
@@ -192,6 +258,8 @@ class ShardedParams:
         self.landed: set[int] = set()  # units gathered in place, not yet unsharded
         self.rs_held: dict[int, int] = {}  # reduce-scatter slot -> unit not yet saved
         self.t = 0
+        self.sp = sp_slices(self.table, layout.sp_ranges, self.n, self.r) if S.sp else []
+        self.sp_buf = np.zeros(sum(b - a for _, a, b in self.sp), dtype=dt)
         for i in range(len(self.table)):  # nothing is readable (or resident) before its gather
             self._free(i)
 
@@ -221,6 +289,8 @@ class ShardedParams:
                 dest = self.slot_of[i] = self.slots[int(name[7:])][:P]
             self._block(dest, i)[...] = self.shards[i]
             return dest
+        if name == "fsdp_sp":
+            return self.sp_buf
         if name == "fsdp_rshard":
             self._save(i)
             return self.grads[i]
@@ -256,6 +326,9 @@ class ShardedParams:
                 del self.rs_held[s]
 
     def compute(self, name: str, i: int) -> None:
+        if name in ("fsdp_sp_pack", "fsdp_sp_unpack"):
+            self._sp(name == "fsdp_sp_pack")
+            return
         _, lo, hi = self.table[i]
         if name.startswith("fsdp_unshard:"):
             if i in self.landed:  # gathered in place: already there
@@ -270,6 +343,17 @@ class ShardedParams:
         else:
             raise ValueError(f"unknown FSDP op {name!r}")
 
+    def _sp(self, pack: bool) -> None:
+        """The reduced shards' sequence-parallel elements into sp_buf (pack) or back."""
+        at = 0
+        for i, a, b in self.sp:
+            if pack:
+                self._save(i)
+                self.sp_buf[at : at + b - a] = self.grads[i][a:b]
+            else:
+                self.grads[i][a:b] = self.sp_buf[at : at + b - a]
+            at += b - a
+
     def step(self, lr: float, weight_decay: float) -> None:
         """AdamW on each unit's shard with its reduced gradient block (elementwise, so the
         shards together step exactly as the whole array would)."""
@@ -283,8 +367,10 @@ class ShardedParams:
 
     @property
     def nbytes(self) -> int:
-        """What this state allocates (shards, moments, slots, reduce-scatter buffers)."""
+        """What this state allocates (shards, moments, slots, reduce-scatter buffers, the
+        sequence-parallel sum's buffer)."""
         arrays = self.shards + self.grads + self.m + self.v + self.slots + self.rs_slots
+        arrays.append(self.sp_buf)
         return sum(a.nbytes for a in arrays)
 
 
@@ -346,6 +432,7 @@ def resident_peaks(plan: Plan, units: list[ShardUnit], n: int, m: int) -> tuple[
 
 def fsdp_text(S: Setup) -> str:
     """The gradient sync, as the headers word it."""
-    if S.fsdp == S.dp:
-        return f"FSDP (ZeRO-3) over dp {S.dp}"
-    return f"HSDP: sharded over {S.fsdp} ranks, replicated over {S.dp // S.fsdp}"
+    dp, over = S.dp * S.cp, f"dp {S.dp}" + (f" x cp {S.cp}" if S.cp > 1 else "")
+    if S.fsdp == dp:
+        return f"FSDP (ZeRO-3) over {over}"
+    return f"HSDP: sharded over {S.fsdp} ranks, replicated over {dp // S.fsdp}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from proxies.core import memory
-from proxies.core.plan import Plan, block_range
+from proxies.core.plan import Collective, Plan, block_range
 from proxies.core.schedules import SCHEDULES
 from proxies.transformer import cp as cpsplit
 from proxies.transformer import cp_kernels, fast
@@ -99,7 +99,7 @@ def cp_parts(S: Setup, stage: int) -> tuple[int, int, int]:
 def real_parts(S: Setup, stage: int, dp_rank: int = 0, plan: Plan | None = None) -> dict[str, int]:
     if S.cp > 1:  # the rank's T/cp tokens, the attention core's state replaced
         Sl = replace(S, T=S.Tc, cp=1)
-        parts = real_parts(Sl, stage, dp_rank)
+        parts = real_parts(Sl, stage, dp_rank, plan)  # FSDP: the plan's gathered units
         layer, work, bufs = cp_parts(S, stage)
         B, NHl, Tl = S.B, S.cfg.n_head // S.tp, S.Tc
         layers = sum(
@@ -169,9 +169,11 @@ def fsdp_parts(S: Setup, lay: Layout, plan: Plan) -> dict[str, int]:
     shards = sum(u.shard(S.fsdp) for u in units)
     slot = slot_elements(units, S.fsdp)
     gathered, grads = resident_peaks(plan, units, S.fsdp, S.m)
+    # sequence parallelism: the shards' layernorm elements packed for their tp sum
+    sp = sum(op.count for op in plan.ops if isinstance(op, Collective) and op.buf == "fsdp_sp")
     return {
         "parameters": F32 * (shards + gathered + SLOTS * slot),
-        "gradients": F32 * (grads + shards + FSDP_INFLIGHT * slot),
+        "gradients": F32 * (grads + shards + FSDP_INFLIGHT * slot + sp),
         "optimizer": 2 * F32 * shards,
     }
 

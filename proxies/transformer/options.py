@@ -452,27 +452,27 @@ def fsdp_rules(
 ) -> dict:
     """--fsdp / --fsdp-shard-size checked against the run (UsageError names the rule):
     Setup's fsdp field. `refused`: the front end's own options that do not combine with
-    FSDP, as (option text, given)."""
+    FSDP, as (option text, given). Context parallel ranks hold the same parameters: FSDP
+    shards over the dp x cp ranks of a (tp, pp) coordinate (torchtitan's and Megatron's
+    layout); sequence parallelism's partial gradients are summed over tp on the shards."""
     err = cli.UsageError
     n = getattr(args, "fsdp_shard_size", None)
     if not getattr(args, "fsdp", False):
         if n is not None:
             raise err(f"--fsdp-shard-size {n} needs --fsdp")
         return {}
-    if dp < 2:
+    ranks = dp * cp  # the group FSDP shards over
+    if ranks < 2:
         raise err("--fsdp shards over the data-parallel group, and its degree is 1")
     for what, bad in (
         *refused,
         ("--moe-experts", moe),
-        ("--cp > 1", cp > 1),
-        ("--sequence-parallel", sp),
         (f"--virtual-stages {virtual}", virtual > 1),
     ):
         if bad:
             raise err(f"--fsdp does not combine with {what}")
-    n = dp if n is None else n
-    if n < 2 or dp % n:
-        raise err(
-            f"--fsdp-shard-size {n} must be at least 2 and divide the data-parallel degree {dp}"
-        )
+    n = ranks if n is None else n
+    if n < 2 or ranks % n:
+        group = f"data-parallel degree {dp}" if cp == 1 else f"dp x cp ranks {ranks}"
+        raise err(f"--fsdp-shard-size {n} must be at least 2 and divide the {group}")
     return {"fsdp": n}

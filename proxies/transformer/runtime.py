@@ -131,7 +131,8 @@ class Runtime:
             if S.fsdp:  # ZeRO-3: the shards, gathered into the model per unit (fsdp.py)
                 from proxies.transformer.fsdp import ShardedParams
 
-                self.fsdp = ShardedParams(S, self.model, self.layout, dp_rank % S.fsdp)
+                shard = plan.groups["fsdp"]  # dp (x cp) ranks, HSDP's consecutive N of them
+                self.fsdp = ShardedParams(S, self.model, self.layout, shard.index(plan.rank))
         else:
             self.pool = BufferPool(plan, S.inflight)
         self.iteration = 0

@@ -117,7 +117,7 @@ def test_every_piece_runs_with_its_units_gathered(stages):
         stage = job.grid.coords(rank)["pp"]
         ch = S.chunks(stage)[0]
         keys = {u.key for u, _, _ in fsdp.shard_units(Layout(S, stage))}
-        extras = tuple(k for k in ("wte", "extras") if k in keys)
+        sides = fsdp.unit_sides(S, keys)
         for op in job.plan(rank).ops:
             if isinstance(op, Compute) and op.name.startswith("fsdp_unshard:"):
                 key = op.name.split(":")[1]
@@ -126,7 +126,7 @@ def test_every_piece_runs_with_its_units_gathered(stages):
             elif isinstance(op, Compute) and op.name.startswith("fsdp_reshard:"):
                 live.remove(op.name.split(":")[1])
             elif isinstance(op, Compute) and op.name != "optimizer":
-                need = set(fsdp._units_of(op.name, ch, extras))
+                need = set(fsdp._units_of(op.name, ch, sides))
                 assert need <= live, (rank, op.name, need - live)
             elif isinstance(op, Wait) and op.req.startswith("fsdp_ag:"):
                 waited.add(op.req)
@@ -220,9 +220,8 @@ BAD = [
     (gpt3, ["--fsdp-shard-size", "2"], 4, "--fsdp-shard-size 2 needs --fsdp"),
     (gpt3, ["--fsdp"], 1, "--fsdp shards over the data-parallel group, and its degree is 1"),
     (gpt3, ["--fsdp", "--fsdp-shard-size", "3"], 8, "must be at least 2 and divide"),
-    (gpt3, ["--fsdp", "--tp", "2", "--sequence-parallel"], 4, "with --sequence-parallel"),
     (gpt3, ["--fsdp", "--moe-experts", "2"], 2, "with --moe-experts"),
-    (gpt3, ["--fsdp", "--cp", "2"], 4, "with --cp > 1"),
+    (gpt3, ["--fsdp", "--cp", "2", "--fsdp-shard-size", "3"], 4, "divide the dp x cp ranks 4"),
     (gpt3, ["--fsdp", "--bucket-mb", "1"], 2, "with --bucket-mb"),
     (gpt2, ["--fsdp", "--zero", "1"], 2, "with --zero 1"),
     (gpt2, ["--fsdp", "--grad-sync", "fused"], 2, "with --grad-sync"),
