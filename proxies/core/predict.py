@@ -142,6 +142,12 @@ class _Predictor:
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
         self.rep_of, self.keep_spans = rep_of, keep_spans
         self.reduce_bw = topo.machine.reduce_bandwidth
+        # a collective's local copies (an all-to-all's blocks through scratch) run on the
+        # rank's core: bytes read + written at compute.memory (free when the file has none),
+        # slowed as compute is where ranks outnumber cores
+        mem, cores = topo.machine.memory_bandwidth, topo.machine.cores_per_node
+        share = max(1.0, topo.rpn / cores) if cores else 1.0
+        self.copy_s = 2.0 * share / mem if mem else 0.0  # seconds per byte copied
         self.op_overhead = topo.op_overhead  # the engine's own seconds per op
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)
@@ -505,8 +511,9 @@ class _Predictor:
                     resume["wait"], resume["pos"] = need, pos + 1
                     return
                 pos += 1
-            elif what == "reduce":
-                d = ev[1] * isz * (1 / self.reduce_bw + inst.fault)
+            elif what == "reduce" or what == "copy":
+                per = 1 / self.reduce_bw + inst.fault if what == "reduce" else self.copy_s
+                d = ev[1] * isz * per
                 pos += 1
                 if d > 0:
                     self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done))
@@ -525,6 +532,7 @@ class _Predictor:
             return
         ph, members, topo = phases[k], inst.members, self.topo
         tail = ph.latency + ph.reduce_bytes * (1 / self.reduce_bw + inst.fault)
+        tail += ph.copy_bytes * self.copy_s
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
         if inst.folded and flows:
             # Folded: a flow between two nodes holding no simulated rank is an image of one
