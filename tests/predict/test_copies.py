@@ -1,8 +1,10 @@
-"""A collective's local copies on the rank's core: MPICH's in-place all-to-all passes every
+"""A collective's local work on the rank's core. Copies: MPICH's in-place all-to-all passes every
 block through a temporary (Sendrecv_replace, or its non-blocking schedule's copy), the
 pairwise one copies its received blocks out of scratch. The predictor prices the bytes
 copied on the critical path at compute.memory (read + written: 2 bytes moved per byte),
-slowed like compute where ranks outnumber cores; free with no compute.memory."""
+slowed like compute where ranks outnumber cores; free with no compute.memory. And a
+non-blocking collective's adds and copies, which MPI runs on the rank's core inside its
+calls, delay the rank's own work they fall in (free while the rank waits)."""
 
 import math
 from dataclasses import replace
@@ -10,6 +12,10 @@ from dataclasses import replace
 import pytest
 
 from proxies.core.collectives import steps
+from proxies.core.mpi_choice import chooser
+from proxies.core.network import Topology
+from proxies.core.plan import Collective, Compute, Plan, Wait
+from proxies.core.predict import predict
 from proxies.core.prediction import collective_seconds
 
 from .test_network import machine
@@ -75,3 +81,45 @@ def test_reductions_copy_nothing():
         collective_seconds(mach(), "allreduce", "ring", 4, 1 << 20, ranks_per_node=4),
         collective_seconds(mach(None), "allreduce", "ring", 4, 1 << 20, ranks_per_node=4),
     )
+
+
+# -- a non-blocking collective's local work takes its rank's core ------------------------------
+
+
+def overlapped(m, compute_s: float, detail: str, req: str = "g"):
+    """2 ranks: post a non-blocking rhd allreduce of 4 MiB, compute, wait for it."""
+    ops = (
+        Collective("allreduce", "w", "x", 1 << 20, req=req, category="dp"),
+        Compute("backward", flops=compute_s * 1e9),
+        Wait(req),
+    )
+    plans = [Plan(r, ops, {"w": (0, 1)}) for r in (0, 1)]
+    cost = lambda r, op: op.flops / 1e9  # noqa: E731
+    return predict(plans, Topology(m, 2), cost, chooser(m), detail=detail)
+
+
+def reducing_machine():
+    m = replace(machine(rpn=2, intra=10e9, lat=1e-6), reduce_bandwidth=5e9)
+    return replace(m, mpi={"allreduce": [(2**63, "rhd")]})
+
+
+@pytest.mark.parametrize("detail", ["steps", "coarse"])
+def test_reduction_under_compute_delays_the_compute(detail):
+    # rhd on 2 ranks: each adds half the message (2 MiB at 5 GB/s) while its rank computes
+    # 10 ms: MPI runs that add on the rank's core, so the rank finishes that much later,
+    # booked to the collective's category (the rank did its work, not compute)
+    half = (1 << 20) * 4 / 2
+    pred = overlapped(reducing_machine(), 10e-3, detail)
+    assert math.isclose(pred.time, 10e-3 + half / 5e9, rel_tol=1e-9)
+    for b in pred.breakdown.values():
+        assert math.isclose(b["compute"], 10e-3, rel_tol=1e-9)
+        assert math.isclose(b["dp"], half / 5e9, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("detail", ["steps", "coarse"])
+def test_reduction_while_the_rank_waits_is_free(detail):
+    # no compute to delay: the rank waits in MPI and its idle core does the add; the
+    # collective alone (textbook rhd on 2 ranks) is the iteration
+    half = (1 << 20) * 4 / 2
+    pred = overlapped(reducing_machine(), 0.0, detail)
+    assert math.isclose(pred.time, 2 * (1e-6 + half / 10e9) + half / 5e9, rel_tol=1e-9)
