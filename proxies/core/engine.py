@@ -13,7 +13,9 @@ Where time goes, per iteration and rank:
 - dtype_cast: rounding float32 compute buffers to a 16-bit wire dtype and widening what
   arrives (--dtype/--grad-dtype with real compute; see wire.py). Kept out of the
   communication it serves, which it would otherwise inflate;
-- overhead: the rest of the iteration (the engine's own Python between ops).
+- overhead: the rest of the iteration (the engine's own Python between ops). Waiting for
+  the progress thread's lock is not: the thread is inside MPI moving the pending ops'
+  data then, booked to the oldest one's category (_locked).
 
 Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
 split from the transfer; sends are Isend and complete with their batch, so a batch

@@ -32,7 +32,9 @@ other work is <category>_hidden (not part of the sum): a non-blocking batch's me
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
 after its last op a rank is idle until the end. With the machine's engine.op_overhead
 (or oversubscribed.op_overhead on a crowded node) every op first costs that much on its
-rank, booked as overhead, as the engine books its own time between ops.
+rank, booked as overhead, as the engine books its own time between ops. A non-blocking
+collective's adds and copies take its rank's core: what falls in the rank's own work
+delays it, booked to the collective (_steal).
 """
 
 from __future__ import annotations
