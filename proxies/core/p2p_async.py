@@ -69,7 +69,7 @@ def post(engine, op: P2P, t) -> None:
     completes at Wait(op.req)."""
     MPI, comm = engine.MPI, engine.world
     engine.new_request(op.req)
-    with engine._lock():
+    with engine._locked(t):
         t0 = MPI.Wtime()
         cast0 = t.seconds.get(CAST, 0.0)
         reqs, staged, recvs = *isend_all(engine, op.sends, t), []

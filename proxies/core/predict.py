@@ -32,7 +32,9 @@ other work is <category>_hidden (not part of the sum): a non-blocking batch's me
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
 after its last op a rank is idle until the end. With the machine's engine.op_overhead
 (or oversubscribed.op_overhead on a crowded node) every op first costs that much on its
-rank, booked as overhead, as the engine books its own time between ops.
+rank, booked as overhead, as the engine books its own time between ops. A non-blocking
+collective's adds and copies take its rank's core: what falls in the rank's own work
+delays it, booked to the collective (_steal).
 """
 
 from __future__ import annotations
@@ -72,22 +74,6 @@ class Prediction:
         """Breakdown of any world rank (its representative's when folded)."""
         r = int(self.rep_of[rank]) if self.rep_of is not None else rank
         return self.breakdown[r]
-
-
-# --- folding ------------------------------------------------------------------------------
-
-
-def representatives(grid, fold: Sequence[str]) -> np.ndarray:
-    """world rank -> the rank with the same coordinates except `fold` dimensions at 0."""
-    dims = [d for d, _ in grid.degrees]
-    ranks = grid._ranks
-    index = tuple(
-        slice(0, 1) if d in fold else slice(None) for d in dims
-    )  # folded axes at coordinate 0, broadcast back over them
-    reps = np.broadcast_to(ranks[index], ranks.shape)
-    out = np.empty(grid.size, dtype=np.int64)
-    out[ranks.reshape(-1)] = reps.reshape(-1)
-    return out
 
 
 # --- the simulation -----------------------------------------------------------------------
@@ -142,6 +128,12 @@ class _Predictor:
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
         self.rep_of, self.keep_spans = rep_of, keep_spans
         self.reduce_bw = topo.machine.reduce_bandwidth
+        # a collective's local copies (an all-to-all's blocks through scratch) run on the
+        # rank's core: bytes read + written at compute.memory (free when the file has none),
+        # slowed as compute is where ranks outnumber cores
+        mem, cores = topo.machine.memory_bandwidth, topo.machine.cores_per_node
+        share = max(1.0, topo.rpn / cores) if cores else 1.0
+        self.copy_s = 2.0 * share / mem if mem else 0.0  # seconds per byte copied
         self.op_overhead = topo.op_overhead  # the engine's own seconds per op
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)
@@ -160,6 +152,11 @@ class _Predictor:
         self.blocking: list[tuple[int, _Instance]] = []  # booked after the run
         self.reqs: dict[int, dict[str, list]] = {r: {} for r in self.plans}
         self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
+        # A non-blocking collective's reductions and copies run on its rank's core (MPI
+        # progresses it inside the engine's calls): where they fall in the rank's own work
+        # (compute, the engine) they delay it, charged when it next resumes
+        self.busy = dict.fromkeys(self.plans, 0.0)  # the end of the rank's current own work
+        self.debt: dict[int, dict[str, float]] = {r: defaultdict(float) for r in self.plans}
         self._images: dict[tuple, int] = {}
         self._shapes: dict[tuple, object] = {}
         self._resumes: dict[tuple, dict] = {}  # (instance, rank) -> where its steps wait
@@ -223,6 +220,10 @@ class _Predictor:
         ops, pc, t = self.plans[r].ops, self.pc[r], self.now
         book, spans = self.book[r], self.spans[r]
         oh = self.op_overhead
+        for category, seconds in self.debt[r].items():  # its core did a collective's work
+            book[category] += seconds
+            t += seconds
+        self.debt[r].clear()
         while pc < len(ops):
             op = ops[pc]
             if oh and self.charged[r] != pc:
@@ -240,6 +241,7 @@ class _Predictor:
                 continue
             self.pc[r] = pc
             if t > self.now:  # everything else happens in global time order
+                self.busy[r] = t
                 self.at(t, lambda: self._advance(r))
                 return
             if type(op) is P2P:
@@ -505,9 +507,12 @@ class _Predictor:
                     resume["wait"], resume["pos"] = need, pos + 1
                     return
                 pos += 1
-            elif what == "reduce":
-                d = ev[1] * isz * (1 / self.reduce_bw + inst.fault)
+            elif what == "reduce" or what == "copy":
+                per = 1 / self.reduce_bw + inst.fault if what == "reduce" else self.copy_s
+                d = ev[1] * isz * per
                 pos += 1
+                if inst.op.req:
+                    self._steal(r, t, d, inst.op.category)
                 if d > 0:
                     self.at(t + d, lambda p=pos, t2=t + d: self._steps(inst, r, i, p, t2, done))
                     return
@@ -515,6 +520,14 @@ class _Predictor:
                 raise PlanError(f"unknown step {ev!r} in {inst.alg} {inst.op.kind}")
         self._resumes.pop((inst.key, r), None)
         self._member_done(inst, r, t)
+
+    def _steal(self, r: int, t: float, d: float, category: str) -> None:
+        """A non-blocking collective's local work [t, t + d] on rank r's core: the part of
+        it inside the rank's own work delays that work (while the rank waits, MPI runs it
+        on the idle core for free)."""
+        over = min(t + d, self.busy[r]) - t
+        if over > 0:
+            self.debt[r][category] += over
 
     def _phase(self, inst: _Instance, k: int, t: float) -> None:
         """Phase k of a coarse collective starts at t (every member has posted)."""
@@ -524,7 +537,8 @@ class _Predictor:
                 self._member_done(inst, q, t)
             return
         ph, members, topo = phases[k], inst.members, self.topo
-        tail = ph.latency + ph.reduce_bytes * (1 / self.reduce_bw + inst.fault)
+        work = ph.reduce_bytes * (1 / self.reduce_bw + inst.fault) + ph.copy_bytes * self.copy_s
+        tail = ph.latency + work
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
         if inst.folded and flows:
             # Folded: a flow between two nodes holding no simulated rank is an image of one
@@ -536,15 +550,22 @@ class _Predictor:
                 f for f in flows if topo.node(f[0]) in rep_nodes or topo.node(f[1]) in rep_nodes
             ]
             flows = near or flows
+
+        def tail_at(end: float) -> None:  # the phase's latency, then its local work
+            if inst.op.req and work > 0:
+                for q in inst.posts:
+                    self._steal(q, end + ph.latency, work, inst.op.category)
+            self.at(end + tail, lambda: self._phase(inst, k + 1, end + tail))
+
         if not flows:
-            self.at(t + tail, lambda: self._phase(inst, k + 1, t + tail))
+            tail_at(t)
             return
         left = [len(flows)]
 
         def one_done(end: float) -> None:
             left[0] -= 1
             if left[0] == 0:
-                self.at(end + tail, lambda: self._phase(inst, k + 1, end + tail))
+                tail_at(end)
 
         self.flows.start_many([self._flow(a, b, n, one_done, members) for a, b, n in flows], t)
 

@@ -14,11 +14,24 @@ from proxies.core import cli, faults, report
 from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
 from proxies.core.plan import Collective, Compute, Plan, Wait
-from proxies.core.predict import Prediction, predict, representatives
+from proxies.core.predict import Prediction, predict
 from proxies.core.simulate import PlanError
 
 SIMULATE_OPS = 400_000  # fold identical ranks when every rank's ops would exceed this
 DEFAULT_DEVICE_FLOPS = 150e12  # --device-tflops' default
+
+
+def representatives(grid, fold: Sequence[str]) -> np.ndarray:
+    """world rank -> the rank with the same coordinates except `fold` dimensions at 0."""
+    dims = [d for d, _ in grid.degrees]
+    ranks = grid._ranks
+    index = tuple(
+        slice(0, 1) if d in fold else slice(None) for d in dims
+    )  # folded axes at coordinate 0, broadcast back over them
+    reps = np.broadcast_to(ranks[index], ranks.shape)
+    out = np.empty(grid.size, dtype=np.int64)
+    out[ranks.reshape(-1)] = reps.reshape(-1)
+    return out
 
 
 def compute_cost(

@@ -68,8 +68,8 @@ def schedule(tr):
                     waited.update((r, h) for h in op[1])
                     order.append(("wait", r, op[1]))
                 else:
-                    assert op[0] == "reduce" and op[1] >= 0
-                    order.append(("reduce", r, op[1]))
+                    assert op[0] in ("reduce", "copy") and op[1] >= 0
+                    order.append((op[0], r, op[1]))
                 pc[r] += 1
                 moved = True
     stuck = [r for r in range(n) if pc[r] < len(tr[r])]
@@ -78,10 +78,10 @@ def schedule(tr):
     return order, dict(elements)
 
 
-def finish(order, n, msg=lambda s, d: 1.0, red=lambda e: 0):
+def finish(order, n, msg=lambda s, d: 1.0, red=lambda e: 0, cp=lambda e: 0):
     """The latest rank's finishing time of a `schedule` order: a message starts when both
     ends have posted it and completes at both ends msg(src, dst) later; a wait ends when its
-    requests have; a reduce of e elements costs red(e)."""
+    requests have; a reduce of e elements costs red(e), a local copy of e elements cp(e)."""
     t = [0] * n
     at, done = {}, {}
     for ev in order:
@@ -94,7 +94,7 @@ def finish(order, n, msg=lambda s, d: 1.0, red=lambda e: 0):
             r = ev[1]
             t[r] = max([t[r], *(done[r, h] for h in ev[2])])
         else:
-            t[ev[1]] += red(ev[2])
+            t[ev[1]] += (red if ev[0] == "reduce" else cp)(ev[2])
     return max(t, default=0)
 
 
@@ -119,7 +119,7 @@ def layouts(alg, n):
 
 def check(kind, alg, n, count, itemsize, nodes=None):
     """(a) the trace replays, (b) bytes per pair, (c) latency for a uniform and two-level
-    alphas, (d) reduce work: coarse against the replayed trace."""
+    alphas, (d) reduce work, (e) local copies: coarse against the replayed trace."""
     what = f"{kind} {alg} n={n} count={count} itemsize={itemsize} nodes={nodes}"
     tr = steps.trace(kind, alg, n, count, itemsize, nodes)
     order, elements = schedule(tr)
@@ -138,6 +138,8 @@ def check(kind, alg, n, count, itemsize, nodes=None):
         assert sum(ph.latency for ph in phases) == pytest.approx(latency, abs=1e-9), what
     work = finish(order, n, lambda s, d: 0, lambda e: e * itemsize)
     assert sum(ph.reduce_bytes for ph in phases) == work, f"{what} reduce"
+    copied = finish(order, n, lambda s, d: 0, cp=lambda e: e * itemsize)
+    assert sum(ph.copy_bytes for ph in phases) == copied, f"{what} copy"
 
 
 @pytest.mark.parametrize("kind,alg", CASES)

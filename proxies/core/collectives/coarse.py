@@ -15,8 +15,10 @@ give zero-byte flows: their latency still counts).
   (the latest rank's clock) grows during the phase, so the phases' latencies sum to it.
 - reduce_bytes: the same with free messages and adds costing their bytes: the reduce work
   on the critical path, for the predictor to price at its reduce rate.
+- copy_bytes: the same with only local copies costing their bytes (the all-to-alls'
+  blocks out of scratch), for the predictor to price at the memory rate.
 
-Both are computed per rank by closed-form recurrences over the algorithm's structure
+All three are computed per rank by closed-form recurrences over the algorithm's structure
 (binomial trees, butterflies, rings), O(n) or O(n log n) per call (pairwise alltoall
 O(n^2), as its flows are), and are exact: tests/collectives/test_steps.py replays every
 trace event by event and compares, for uniform and two-level alphas. One bound: ring's
@@ -46,15 +48,25 @@ class Phase:
     flows: tuple[tuple[int, int, int], ...]  # (src, dst, bytes) summed over the phase
     latency: float  # seconds of per-message latency on the phase's critical path
     reduce_bytes: int  # bytes added on the critical path (priced at the reduce rate)
+    # bytes copied locally on the critical path (an all-to-all's blocks into place, MPICH's
+    # in-place pack into its temporary): the rank's core moves them, priced at the memory rate
+    copy_bytes: int = 0
 
 
 class _Clocks:
     """Per-rank clocks under one cost model: msg(src, dst) per message, red(elements) per
     add. `mark()` closes a phase: the flows posted since, and the latest clock."""
 
-    def __init__(self, n: int, msg: Alpha, red: Callable[[int], float], itemsize: int):
+    def __init__(
+        self,
+        n: int,
+        msg: Alpha,
+        red: Callable[[int], float],
+        itemsize: int,
+        cp: Callable[[int], float] = lambda e: 0,
+    ):
         self.t = [0] * n
-        self.msg, self.red, self.isz = msg, red, itemsize
+        self.msg, self.red, self.isz, self.cp = msg, red, itemsize, cp
         self.flows: dict[tuple[int, int], int] = defaultdict(int)
         self.phases: list[tuple[dict, float]] = []
 
@@ -77,6 +89,10 @@ class _Clocks:
         t[b] = end + (self.red(ea) if add else 0)
         self.flow(a, b, ea)
         self.flow(b, a, eb)
+
+    def copy(self, r: int, elements: int) -> None:
+        """r copies elements locally (after what it waited for)."""
+        self.t[r] += self.cp(elements)
 
     def mark(self) -> None:
         if self.flows:  # a phase that moved nothing (no fold when n = 2^k) is no phase
@@ -283,6 +299,8 @@ def _pairwise(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
             dst, src = (r + s) % n, (r - s) % n
             c.t[r] = max(max(t[r], t[dst]) + c.msg(r, dst), max(t[src], t[r]) + c.msg(src, r))
             c.flow(r, dst, size)
+    for r in range(n):  # the n - 1 received blocks out of scratch, into place
+        c.copy(r, (n - 1) * size)
     c.mark()
 
 
@@ -300,6 +318,8 @@ def _inplace(c: _Clocks, n: int, count: int, itemsize: int, nodes) -> None:
     for k in sorted(rounds):
         for i, j in rounds[k]:
             c.exchange(i, j, size, size, False)
+            c.copy(i, size)  # the block through the temporary, on both ranks
+            c.copy(j, size)
         c.mark()
 
 
@@ -421,14 +441,15 @@ def _coarse(kind, alg, n, count, itemsize, alpha, nodes, overhead) -> tuple[Phas
     if n == 1 or count == 0:
         return ()
     runs = []
-    for msg, red in ((alpha, lambda e: 0), (lambda s, d: 0, lambda e: e * itemsize)):
-        c = _Clocks(n, msg, red, itemsize)
+    free, zero, size = (lambda s, d: 0), (lambda e: 0), (lambda e: e * itemsize)
+    # three critical paths: latency alone, reduce work alone, local copies alone
+    for msg, red, cp in ((alpha, zero, zero), (free, size, zero), (free, zero, size)):
+        c = _Clocks(n, msg, red, itemsize, cp)
         ALGS[kind, alg](c, n, count, itemsize, nodes)
         runs.append(c.phases)
-    out, before = [], (0, 0)
-    for (flows, lat), (_, red) in zip(*runs, strict=True):
-        out.append(
-            Phase(tuple((s, d, b) for (s, d), b in flows.items()), lat - before[0], red - before[1])
-        )
-        before = (lat, red)
+    out, before = [], (0, 0, 0)
+    for (flows, lat), (_, red), (_, cp) in zip(*runs, strict=True):
+        pairs = tuple((s, d, b) for (s, d), b in flows.items())
+        out.append(Phase(pairs, lat - before[0], red - before[1], cp - before[2]))
+        before = (lat, red, cp)
     return tuple(out)

@@ -16,6 +16,7 @@ trace for the predictor at small sizes, and (coarse.py) their phases at scale.
     ("recv", handle, peer, elements)   post a non-blocking receive from `peer`
     ("wait", (handle, ...))            block until those complete
     ("reduce", elements)               add that many received elements
+    ("copy", elements)                 copy that many elements locally (scratch into place)
 
 Messages between one pair of ranks match in order (FIFO per (src, dst)), as MPI matches
 them per tag: the programs post the receives of one pair in the order the peer sends.
@@ -94,7 +95,7 @@ def trace(
     nodes: Sequence[int] | None = None,
 ) -> list[list[tuple]]:
     """Per group rank, in program order: the posts, waits and reductions (module docstring).
-    Read off the very programs `execute` runs; local copies (COPY) are left out."""
+    Read off the very programs `execute` runs; a local copy (COPY) is ("copy", elements)."""
     out = []
     for r in range(n):
         ops: list[tuple] = []
@@ -109,5 +110,6 @@ def trace(
                 ops.append(("reduce", op[2] - op[1]))
             else:
                 assert code == COPY
+                ops.append(("copy", op[2] - op[1]))
         out.append(ops)
     return out
