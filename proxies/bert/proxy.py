@@ -28,7 +28,7 @@ from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Compute, Plan
 from proxies.core.schedules import SCHEDULES
-from proxies.gpt3.proxy import dry_run_hooks
+from proxies.gpt3 import proxy as gpt3
 from proxies.transformer import describe, options
 from proxies.transformer.encoder import (
     BERT_ORDER,
@@ -37,7 +37,6 @@ from proxies.transformer.encoder import (
     BertRuntime,
     masked_per_sample,
 )
-from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.setup import Setup, padded_vocab
 
@@ -195,16 +194,6 @@ def make_job(args, world: int) -> runner.Job:
         ops = cpp.cpp_ops(S.cfg, S.split[c["pp"]], S.m, S.dp, c["pp"], groups["pp"], S.B, S.T)
         return Plan(rank, tuple(ops), groups, c)
 
-    def label(rank: int) -> str:
-        s = grid.coords(rank)["pp"]
-        r = S.split[s]
-        extra = (" +emb" if s == 0 else "") + (" +head" if s == S.pp - 1 else "")
-        return f"stage {s}: layers {r.start}-{r.stop - 1}{extra}"
-
-    def runtime(rank, MPI, comms, mode):
-        c = grid.coords(rank)
-        return BertRuntime(S, plan(rank), c["pp"], c["tp"], 0, c["dp"], source, mode)
-
     own = {"tp": S.tp, "vocab_padded": S.vocab, "dp_bucket": S.bucket, "norm": S.cfg.norm}
     own["masked_per_sample"] = masked_per_sample(S.T)
     own["fsdp_shard_size"] = S.fsdp or None  # FSDP's shard group (dp, or HSDP's N); None: off
@@ -224,32 +213,22 @@ def make_job(args, world: int) -> runner.Job:
         act = cpp.activation(S.cfg.n_embd, S.B, S.T)
         gpt = f"pipeline {S.act:,} floats ({4 * S.act:,} B)"
         header[2] = header[2].replace(gpt, f"pipeline {act:,} floats ({4 * act:,} B)")
-    hooks = dry_run_hooks(S)
+    hooks = gpt3.dry_run_hooks(S)
     if preset:  # no pools of GPT-3's: the C++ iteration
         hooks = {"traffic_by": ("pp", "stages"), "ops_by_default": False}
-    return runner.Job(
-        prog=PROG,
-        proxy="bert",
-        config=config,
-        grid=grid,
+    return gpt3.transformer_job(
+        PROG,
+        SPEC,
+        S,
+        grid,
+        args,
         plan=plan,
-        group_names=("pp", "tp", "dp", "embed", "fsdp", "hsdp"),
-        label=label,
+        runtime=gpt3.stage_runtime(S, grid, plan, source, BertRuntime),
+        config=config,
         header=header,
-        runtime=runtime,
-        dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset(
-            {"dp_allreduce", "embed_allreduce", "fsdp_reduce_scatter", "hsdp_allreduce"}
-        ),
-        fp32_buffers=frozenset({"ce"}),
-        fold=("tp", "dp"),
-        setup=S,
-        memory=lambda rank, plan: estimate_memory(
-            S, grid.coords(rank)["pp"], 0, args.compute, plan
-        ),
-        categories=SPEC.categories,
-        short=SPEC.short,
-        **hooks,
+        groups=("pp", "tp", "dp", "embed", "fsdp", "hsdp"),
+        grads=("dp_allreduce", "embed_allreduce"),
+        hooks=hooks,
     )
 
 

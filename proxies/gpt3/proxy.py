@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 
 from proxies.core import cli, runner
 from proxies.core.grid import ProcessGrid
@@ -356,21 +357,6 @@ def make_job(args, world: int) -> runner.Job:
     source = options.token_source(args, S.cfg.vocab_size, S.T)
     plan = gpt3_plans(S, grid, schedule)
 
-    def label(rank: int) -> str:
-        s = grid.coords(rank)["pp"]
-        chunks = S.chunks(s)
-        parts = [f"{ch.layers.start}-{ch.layers.stop - 1}" for ch in chunks]
-        extra = (" +emb" if any(ch.embed for ch in chunks) else "") + (
-            " +head" if any(ch.head for ch in chunks) else ""
-        )
-        return f"stage {s}: layers {','.join(parts)}{extra}"
-
-    def runtime(rank, MPI, comms, mode):
-        c = grid.coords(rank)
-        ep_rank = c.get("ep", 0)
-        dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
-        return Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, source, mode)
-
     config = describe.config(S, grid, args, own_config(S), data="synthetic")
     header = describe.header(
         PROG,
@@ -382,26 +368,73 @@ def make_job(args, world: int) -> runner.Job:
         messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
     )
     groups = ("pp", "tp", "dp", "embed", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
+    return transformer_job(
+        PROG,
+        SPEC,
+        S,
+        grid,
+        args,
+        plan=plan,
+        runtime=stage_runtime(S, grid, plan, source),
+        config=config,
+        header=header,
+        groups=groups,
+        grads=("dp_allreduce", "edp_allreduce", "embed_allreduce"),
+        hooks=dry_run_hooks(S),
+    )
+
+
+# The pieces every front end on the one transformer (gpt3, llama, bert) builds its job from.
+
+
+def stage_label(S: Setup, grid: ProcessGrid) -> Callable[[int], str]:
+    """rank -> "stage s: layers a-b[,c-d] [+emb] [+head]" (its model chunks)."""
+
+    def label(rank: int) -> str:
+        s = grid.coords(rank)["pp"]
+        chunks = S.chunks(s)
+        parts = [f"{ch.layers.start}-{ch.layers.stop - 1}" for ch in chunks]
+        extra = (" +emb" if any(ch.embed for ch in chunks) else "") + (
+            " +head" if any(ch.head for ch in chunks) else ""
+        )
+        return f"stage {s}: layers {','.join(parts)}{extra}"
+
+    return label
+
+
+def stage_runtime(S: Setup, grid: ProcessGrid, plan, source, cls: type = Runtime) -> Callable:
+    """The Job's runtime factory: a `cls` (the one Runtime, or a front end's subclass) on the
+    rank's stage, tensor shard and data-parallel index (expert-parallel ranks counted among
+    the data-parallel ones, as the batch is split)."""
+
+    def runtime(rank, MPI, comms, mode):
+        c = grid.coords(rank)
+        ep_rank = c.get("ep", 0)
+        dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
+        return cls(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, source, mode)
+
+    return runtime
+
+
+def transformer_job(
+    prog: str, spec, S: Setup, grid: ProcessGrid, args, *, plan, runtime, config, header,
+    groups: tuple[str, ...], grads: tuple[str, ...], hooks: dict,
+) -> runner.Job:  # fmt: skip
+    """The runner.Job of a front end on the one transformer: its plan, runtime, description
+    and dry-run hooks, and what they all share (gradient categories `grads` plus FSDP's,
+    the float32 loss buffers, folding, the memory estimate)."""
     return runner.Job(
-        prog=PROG,
-        proxy="gpt3",
+        prog=prog,
+        proxy=spec.name,
         config=config,
         grid=grid,
         plan=plan,
         group_names=groups,
-        label=label,
+        label=stage_label(S, grid),
         header=header,
         runtime=runtime,
         dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset(
-            {
-                "dp_allreduce",
-                "edp_allreduce",
-                "embed_allreduce",
-                "fsdp_reduce_scatter",
-                "hsdp_allreduce",
-            }
-        ),
+        grad_categories=frozenset({*grads, "fsdp_reduce_scatter", "hsdp_allreduce"}),
         # The vocabulary-parallel loss's (max, sum-exp, target logit): float32, as Megatron's.
         fp32_buffers=frozenset({"ce"}),
         # tensor-parallel shards and data-parallel replicas run the same plan op for op
@@ -410,9 +443,9 @@ def make_job(args, world: int) -> runner.Job:
         memory=lambda rank, plan: estimate_memory(
             S, grid.coords(rank)["pp"], 0, args.compute, plan
         ),
-        categories=SPEC.categories,
-        short=SPEC.short,
-        **dry_run_hooks(S),
+        categories=spec.categories,
+        short=spec.short,
+        **hooks,
     )
 
 

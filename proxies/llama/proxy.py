@@ -22,9 +22,7 @@ from proxies.gpt3 import proxy as gpt3
 from proxies.llama import SPEC
 from proxies.transformer import describe, options
 from proxies.transformer.llama import DEFAULT_MODEL, PRESETS, TINY
-from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.plan import gpt3_plans
-from proxies.transformer.runtime import Runtime
 from proxies.transformer.setup import GPT2_ORDER, Setup
 
 PROG = "proxies.llama"
@@ -101,21 +99,6 @@ def make_job(args, world: int) -> runner.Job:
     plan = gpt3_plans(S, grid, S.schedule)
     source = options.token_source(args, S.cfg.vocab_size, S.T)
 
-    def label(rank: int) -> str:
-        s = grid.coords(rank)["pp"]
-        chunks = S.chunks(s)
-        parts = [f"{ch.layers.start}-{ch.layers.stop - 1}" for ch in chunks]
-        extra = (" +emb" if any(ch.embed for ch in chunks) else "") + (
-            " +head" if any(ch.head for ch in chunks) else ""
-        )
-        return f"stage {s}: layers {','.join(parts)}{extra}"
-
-    def runtime(rank, MPI, comms, mode):
-        c = grid.coords(rank)
-        ep_rank = c.get("ep", 0)
-        dp_rank = c["dp"] * (S.moe.ep if S.moe else 1) + ep_rank
-        return Runtime(S, plan(rank), c["pp"], c["tp"], ep_rank, dp_rank, source, mode)
-
     own = gpt3.own_config(S) | {
         "kv_heads": S.cfg.kv_heads,
         "ffn_dim": S.cfg.ffn_dim,
@@ -132,29 +115,19 @@ def make_job(args, world: int) -> runner.Job:
         messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
     )
     groups = ("pp", "tp", "dp", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
-    return runner.Job(
-        prog=PROG,
-        proxy="llama",
-        config=config,
-        grid=grid,
+    return gpt3.transformer_job(
+        PROG,
+        SPEC,
+        S,
+        grid,
+        args,
         plan=plan,
-        group_names=groups,
-        label=label,
+        runtime=gpt3.stage_runtime(S, grid, plan, source),
+        config=config,
         header=header,
-        runtime=runtime,
-        dtypes=cli.wire_dtypes(args),
-        grad_categories=frozenset(
-            {"dp_allreduce", "edp_allreduce", "fsdp_reduce_scatter", "hsdp_allreduce"}
-        ),
-        fp32_buffers=frozenset({"ce"}),
-        fold=("tp", "dp"),
-        setup=S,
-        memory=lambda rank, plan: estimate_memory(
-            S, grid.coords(rank)["pp"], 0, args.compute, plan
-        ),
-        categories=SPEC.categories,
-        short=SPEC.short,
-        **gpt3.dry_run_hooks(S),
+        groups=groups,
+        grads=("dp_allreduce", "edp_allreduce"),
+        hooks=gpt3.dry_run_hooks(S),
     )
 
 
