@@ -46,6 +46,8 @@ def _module(name: str):
 ENTRY_POINTS = {
     "proxies.gpt2": (lambda: _module("proxies.gpt2.proxy").parser(), []),
     "proxies.gpt3": (lambda: _module("proxies.gpt3.proxy").parser(), []),
+    "proxies.llama": (lambda: _module("proxies.llama.proxy").parser(), []),
+    "proxies.bert": (lambda: _module("proxies.bert.proxy").parser(), []),
     "proxies.cosmoflow": (lambda: _module("proxies.cosmoflow.proxy").parser(), []),
     "proxies.dlrm": (lambda: _module("proxies.dlrm.proxy").parser(), []),
     "proxies.resnet": (lambda: _module("proxies.resnet.proxy").parser(), []),
@@ -63,30 +65,31 @@ HOSTILE = ["0", "-1", "nan", "inf", "-inf", "1e20", "100000000000000000000", "2.
 # 0 where 0 means something (no warm-up, seed 0, watchdog off, no cap, ...); 2.5 where the
 # option is a real number and 2.5 is in its range.
 ZERO = {"0": 0}
+GPTS = ("proxies.gpt2", "proxies.gpt3", "proxies.llama", "proxies.bert")  # gpt3's options: 1..
 ACCEPTED: dict[tuple[str, str], dict[str, float]] = {
     **{
         (p, o): ZERO
-        for p in ("proxies.gpt2", "proxies.gpt3", "proxies.cosmoflow", "proxies.dlrm")
+        for p in (*GPTS, "proxies.cosmoflow", "proxies.dlrm")
         for o in ("--warmup", "--seed")
     },
     **{
         (p, o): {"2.5": 2.5}
-        for p in ("proxies.gpt2", "proxies.gpt3", "proxies.cosmoflow", "proxies.dlrm")
+        for p in (*GPTS, "proxies.cosmoflow", "proxies.dlrm")
         for o in ("--device-tflops", "--lr")
     },
     **{
         (p, "--timeout"): {"0": 0, "2.5": 2.5}  # 0: the watchdog off
-        for p in ("proxies.gpt2", "proxies.gpt3", "proxies.cosmoflow", "proxies.dlrm")
+        for p in (*GPTS, "proxies.cosmoflow", "proxies.dlrm")
     },
     ("proxies.gpt2", "--bucket-mb"): {"0": 0, "2.5": 2.5},
     ("proxies.gpt2", "--zero"): ZERO,
     ("proxies.gpt2", "--weight-decay"): ZERO,
-    ("proxies.gpt3", "--weight-decay"): ZERO,
-    ("proxies.gpt3", "--capacity-factor"): {"2.5": 2.5},
-    ("proxies.gpt3", "--moe-experts"): ZERO,
-    ("proxies.gpt3", "--bucket-mb"): {"0": 0, "2.5": 2.5},
-    ("proxies.gpt3", "--dp-bucket"): ZERO,
-    ("proxies.gpt3", "--inflight-buckets"): ZERO,
+    **{(p, "--weight-decay"): ZERO for p in GPTS[1:]},
+    **{(p, "--capacity-factor"): {"2.5": 2.5} for p in GPTS[1:3]},
+    **{(p, "--moe-experts"): ZERO for p in GPTS[1:3]},
+    **{(p, "--bucket-mb"): {"0": 0, "2.5": 2.5} for p in GPTS[1:]},
+    **{(p, "--dp-bucket"): ZERO for p in GPTS[1:3]},
+    **{(p, "--inflight-buckets"): ZERO for p in GPTS[1:]},
     ("proxies.cosmoflow", "--momentum"): ZERO,
     ("proxies.dlrm", "--max-rows"): ZERO,
     **{("proxies.resnet", o): ZERO for o in ("--warmup", "--seed", "--momentum", "--weight-decay")},
