@@ -378,16 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
         say("  fitting the network figures to the allreduces through the predictor ...", flush=True)
         m, record = fit(m, times, calm_rpn * nodes, calm_rpn)  # ping-pong alone if no times
-        m.calibration["fit"] = {
-            "from_pingpong": {k: sig(v) for k, v in record["from_pingpong"].items()},
-            "fitted": {k: sig(v) for k, v in record["fitted"].items()},
-            "rms_log_error_before": sig(record["rms_log_error_before"], 3),
-            "rms_log_error_after": sig(record["rms_log_error_after"], 3),
-            "residuals": {
-                alg: [[b, sig(t), sig(p), sig(e, 3)] for b, t, p, e in rows]
-                for alg, rows in record["residuals"].items()
-            },
-        }
+        m.calibration["fit"] = fit_record(record, "from_pingpong")
         say(
             f"  fit: rms of log(predicted / measured) over the allreduces "
             f"{record['rms_log_error_before']:.2f} (ping-pong figures) -> "
@@ -419,16 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 oversub=Level(sig(m.oversub.latency), sig(m.oversub.bandwidth)),
                 oversub_node_bandwidth=sig(m.oversub_node_bandwidth),
             )
-            m.calibration["oversubscribed_fit"] = {
-                "start": {k: sig(v) for k, v in over["start"].items()},
-                "fitted": {k: sig(v) for k, v in over["fitted"].items()},
-                "rms_log_error_before": sig(over["rms_log_error_before"], 3),
-                "rms_log_error_after": sig(over["rms_log_error_after"], 3),
-                "residuals": {
-                    alg: [[b, sig(t), sig(p), sig(e, 3)] for b, t, p, e in rows]
-                    for alg, rows in over["residuals"].items()
-                },
-            }
+            m.calibration["oversubscribed_fit"] = fit_record(over, "start")
             say(
                 f"  oversubscribed fit: rms of log(predicted / measured) "
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
@@ -579,3 +561,19 @@ def summary(m: Machine, topo: Topology, share: float) -> None:
 
 def entry() -> None:
     cli.run_main(PROG, main)
+
+
+def fit_record(record: dict, start: str) -> dict:
+    """A fit's record as the machine file keeps it (calibration.fit / oversubscribed_fit):
+    the starting and fitted figures, the rms log errors and every allreduce's residual,
+    rounded to significant digits."""
+    return {
+        start: {k: sig(v) for k, v in record[start].items()},
+        "fitted": {k: sig(v) for k, v in record["fitted"].items()},
+        "rms_log_error_before": sig(record["rms_log_error_before"], 3),
+        "rms_log_error_after": sig(record["rms_log_error_after"], 3),
+        "residuals": {
+            alg: [[b, sig(t), sig(p), sig(e, 3)] for b, t, p, e in rows]
+            for alg, rows in record["residuals"].items()
+        },
+    }

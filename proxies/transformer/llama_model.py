@@ -23,7 +23,6 @@ from types import ModuleType
 
 import numpy as np
 
-from proxies.transformer import fast
 from proxies.transformer import llama_kernels as lk
 from proxies.transformer.config import normal
 from proxies.transformer.layout import shard
@@ -114,21 +113,11 @@ class LlamaShard(StageShard):
 
     HEAD = "lm_head"
 
-    def __init__(
-        self,
-        S: Setup,
-        stage: int,
-        tp_rank: int = 0,
-        ep_rank: int = 0,
-        seed: int = 0,
-        dtype=np.float32,
-        kernels: ModuleType = fast,
-        cp_rank: int = 0,
-    ) -> None:
-        super().__init__(S, stage, tp_rank, ep_rank, seed, dtype, kernels, cp_rank)
+    def __init__(self, *args, **kwargs) -> None:  # StageShard's arguments
+        super().__init__(*args, **kwargs)
         # RoPE at the tokens' true positions: a cp rank's own (cpshard.py), else 0..T-1
         pos = self.pos if self.cp is not None else np.arange(self.S.T)
-        self.k = LlamaKernels(kernels, self, pos, rotate=self.cp is None)
+        self.k = LlamaKernels(self.k, self, pos, rotate=self.cp is None)
 
     def _cp_rotate(self, qkv: np.ndarray) -> None:
         for x in self.k._qk(qkv):
