@@ -37,6 +37,7 @@ from proxies.transformer.encoder import (
     BertRuntime,
     masked_per_sample,
 )
+from proxies.transformer.fsdp import fsdp_text
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.setup import Setup, padded_vocab
 
@@ -207,6 +208,7 @@ def make_job(args, world: int) -> runner.Job:
         messages = (
             f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part · masked "
             f"{masked_per_sample(S.T)} of {S.T} tokens per sample"
+            + (f" · {fsdp_text(S)}" if S.fsdp else "")
         )
     header = describe.header(PROG, S, grid, args, source, messages=messages)
     if preset:  # the C++ message, not GPT's B T C

@@ -35,6 +35,7 @@ from proxies.core.plan import Plan
 from proxies.core.schedules import SCHEDULES
 from proxies.gpt3 import SPEC
 from proxies.transformer import describe, options
+from proxies.transformer.fsdp import fsdp_text
 from proxies.transformer.layout import Layout
 from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.plan import gpt3_plans
@@ -365,7 +366,8 @@ def make_job(args, world: int) -> runner.Job:
         args,
         source,
         model_extra=moe_text(S),
-        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
+        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part"
+        + (f" · {fsdp_text(S)}" if S.fsdp else ""),
     )
     groups = ("pp", "tp", "dp", "embed", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
     return transformer_job(

@@ -21,6 +21,7 @@ from proxies.core import cli, runner
 from proxies.gpt3 import proxy as gpt3
 from proxies.llama import SPEC
 from proxies.transformer import describe, options
+from proxies.transformer.fsdp import fsdp_text
 from proxies.transformer.llama import DEFAULT_MODEL, PRESETS, TINY
 from proxies.transformer.plan import gpt3_plans
 from proxies.transformer.setup import GPT2_ORDER, Setup
@@ -112,7 +113,8 @@ def make_job(args, world: int) -> runner.Job:
         args,
         source,
         model_extra=arch_text(S),
-        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part",
+        messages=f"TP collectives {S.N * S.cfg.n_embd:,} floats per layer part"
+        + (f" · {fsdp_text(S)}" if S.fsdp else ""),
     )
     groups = ("pp", "tp", "dp", "ep", "edp", *describe.cp_groups(S), "fsdp", "hsdp")
     return gpt3.transformer_job(
