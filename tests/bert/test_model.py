@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import lockstep
 import numpy as np
 import pytest
 from gradcheck import numgrad
 
 from proxies.bert.proxy import make_job, parser
-from proxies.core.plan import Collective, Compute, Wait
 from proxies.transformer import fast, head
 from proxies.transformer.encoder import (
     BERT_ORDER,
@@ -181,41 +181,9 @@ def test_loss_ignores_the_unmasked_targets_and_sees_every_position():
     assert m.forward(0) != base  # bidirectional: a causal model would not see it
 
 
-def emulate_collective(op: Collective, bufs: list[np.ndarray]) -> None:
-    """What MPI leaves in each member's buffer (members in group-rank order): the two
-    collectives BERT's plans hold without sequence parallelism."""
-    if op.kind == "allreduce":
-        total = np.sum([b.astype(np.float64) for b in bufs], axis=0)
-        for b in bufs:
-            b[...] = total
-    elif op.kind == "allgather":
-        n = len(bufs)
-        mine = np.stack([b.reshape(n, -1)[i] for i, b in enumerate(bufs)])
-        for b in bufs:
-            b.reshape(n, -1)[...] = mine
-    else:
-        raise NotImplementedError(op.kind)
-
-
 def emulate(argv: list[str], world: int, iters: int = 2) -> list[float]:
-    """Every rank's plan in lockstep in this process (one stage: the same op sequence)."""
-    job = make_job(parser().parse_args(argv), world)
-    plans = [job.plan(r) for r in range(world)]
-    rts = [job.runtime(r, None, None, "real") for r in range(world)]
-    losses = []
-    for it in range(iters):
-        for i, op in enumerate(plans[0].ops):
-            if isinstance(op, Compute):
-                for r in range(world):
-                    rts[r].compute(plans[r].ops[i], it)
-            elif isinstance(op, Collective):
-                for members in {plans[r].groups[op.group] for r in range(world)}:
-                    emulate_collective(op, [rts[q].buffer(op.buf, op.mb, 0) for q in members])
-            else:
-                assert isinstance(op, Wait), op
-        sums = [rt.finish_iteration(it) for rt in rts]
-        losses.append(sum(s for s, _ in sums) / sum(n for _, n in sums))
-    return losses
+    """bert's plans in lockstep in this process (lockstep.run): the losses."""
+    return lockstep.run(make_job, parser, argv, world, iters)[0]
 
 
 TINY = ["2", "1", "--model", "bert-tiny", "--seq-len", "16", "--micro-batch", "2", "--lr", "1e-3"]

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import lockstep
 import numpy as np
 import pytest
+from lockstep import emulate_collective
 from one_process import train
 
-from proxies.core.plan import Collective, Compute, Wait
+from proxies.core.plan import Collective
 from proxies.gpt3.proxy import make_job, parser
 from proxies.transformer.layout import Layout, shard
 from proxies.transformer.model import StageShard
@@ -42,55 +44,9 @@ def small_vocab() -> Iterator[None]:
         yield
 
 
-def emulate_collective(op: Collective, bufs: list[np.ndarray]) -> None:
-    """What MPI would leave in each member's buffer (members in group-rank order)."""
-    n = len(bufs)
-    blocks = [b.reshape(n, -1) if op.kind != "allreduce" else b for b in bufs]
-    if op.kind == "allreduce":
-        total = np.sum([b.astype(np.float64) for b in bufs], axis=0)
-        for b in bufs:
-            b[...] = total
-    elif op.kind == "allgather":
-        mine = np.stack([blocks[i][i] for i in range(n)])
-        for b in blocks:
-            b[...] = mine
-    elif op.kind == "reduce_scatter":
-        total = np.sum([b.astype(np.float64) for b in blocks], axis=0)
-        for i, b in enumerate(blocks):
-            b[i] = total[i]
-    elif op.kind == "alltoall":
-        sent = [b.copy() for b in blocks]
-        for j, b in enumerate(blocks):
-            for i in range(n):
-                b[i] = sent[i][j]
-    else:
-        raise NotImplementedError(op.kind)
-
-
 def emulate(argv: list[str], world: int, iters: int = 2, stop_at_optimizer: bool = False):
-    """Run every rank's plan in lockstep in this process (pipeline stages = 1: every rank
-    has the same op sequence). Returns (mean loss per iteration, runtimes)."""
-    job = make_job(parser().parse_args(argv), world)
-    plans = [job.plan(r) for r in range(world)]
-    assert len({len(p.ops) for p in plans}) == 1
-    rts = [job.runtime(r, None, None, "real") for r in range(world)]
-    losses = []
-    for it in range(iters):
-        for i, op in enumerate(plans[0].ops):
-            if isinstance(op, Compute):
-                if stop_at_optimizer and op.name == "optimizer":
-                    return losses, rts
-                for r in range(world):
-                    rts[r].compute(plans[r].ops[i], it)
-            elif isinstance(op, Collective):
-                groups = {plans[r].groups[op.group] for r in range(world)}
-                for members in groups:
-                    emulate_collective(op, [rts[q].buffer(op.buf, op.mb, 0) for q in members])
-            else:
-                assert isinstance(op, Wait), op  # non-blocking ones ran when posted
-        sums = [rt.finish_iteration(it) for rt in rts]
-        losses.append(sum(s for s, _ in sums) / sum(n for _, n in sums))
-    return losses, rts
+    """gpt3's plans in lockstep in this process (lockstep.run): (losses, runtimes)."""
+    return lockstep.run(make_job, parser, argv, world, iters, stop_at_optimizer)
 
 
 def reference(L: int, m: int, iters: int = 2, lr: float = 1e-3, stop_at_optimizer=False):

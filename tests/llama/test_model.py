@@ -5,11 +5,10 @@ without sequence parallelism, dp x tp, Mixtral's experts over tp and ep."""
 
 from __future__ import annotations
 
+import lockstep
 import numpy as np
 import pytest
-from gpt3.test_model import emulate_collective
 
-from proxies.core.plan import Collective, Compute, Wait
 from proxies.llama.proxy import make_job, parser
 from proxies.transformer.data import Synthetic, batch
 from proxies.transformer.layout import shard
@@ -21,28 +20,8 @@ MIXTRAL = ["--model", "mixtral-tiny", "--seq-len", str(T), "--compute", "real", 
 
 
 def emulate(argv: list[str], world: int, iters: int = 2, stop_at_optimizer: bool = False):
-    """Every rank's plan in lockstep (pp = 1: one op sequence): (mean loss per iteration,
-    runtimes)."""
-    job = make_job(parser().parse_args(argv), world)
-    plans = [job.plan(r) for r in range(world)]
-    assert len({len(p.ops) for p in plans}) == 1
-    rts = [job.runtime(r, None, None, "real") for r in range(world)]
-    losses = []
-    for it in range(iters):
-        for i, op in enumerate(plans[0].ops):
-            if isinstance(op, Compute):
-                if stop_at_optimizer and op.name == "optimizer":
-                    return losses, rts
-                for r in range(world):
-                    rts[r].compute(plans[r].ops[i], it)
-            elif isinstance(op, Collective):
-                for members in {plans[r].groups[op.group] for r in range(world)}:
-                    emulate_collective(op, [rts[q].buffer(op.buf, op.mb, 0) for q in members])
-            else:
-                assert isinstance(op, Wait), op
-        sums = [rt.finish_iteration(it) for rt in rts]
-        losses.append(sum(s for s, _ in sums) / sum(n for _, n in sums))
-    return losses, rts
+    """llama's plans in lockstep in this process (lockstep.run): (losses, runtimes)."""
+    return lockstep.run(make_job, parser, argv, world, iters, stop_at_optimizer)
 
 
 def one_process(L: int, m: int, model: list[str] = TINY, **kw):
