@@ -9,10 +9,10 @@ Without --machine (or with --calibrate) it first runs
 `mpiexec -n <largest rank count> python -m proxies calibrate -o <tmp>/machine.yaml` and predicts
 with that file. Then for every proxy x rank count x compute mode it runs
 
-    mpiexec -n R python -m proxies.PROXY ARGS --compute MODE --iters 3 --warmup 1 \\
+    mpiexec -n R python -m proxies.PROXY ARGS --compute MODE --iters 5 --warmup 2 \\
         --machine FILE --json OUT
 
-(1 warm-up, 3 timed iterations, each under --timeout) and reads the measured
+(2 warm-ups, 5 timed iterations, each under --timeout) and reads the measured
 (`iter_time_s`, `breakdown_s`) and predicted (`predicted_iter_time_s`,
 `predicted_breakdown_s`) fields of OUT. Modes:
 
@@ -36,10 +36,11 @@ The configurations (small, seconds each on 2 cores; R even):
 - dlrm: the C++ proxy's DLRM (4 tables x 80,000 x 128), global batch 32768, table-wise: the
   embedding all-to-alls forward and backward, the MLP gradient allreduces.
 
-The table: measured iteration (mean of the timed iterations, each the slowest rank's),
+The table: measured iteration (median of the timed iterations, each the slowest rank's),
 predicted, their relative error, and among the categories that take at least 10% of the
-measured iteration (mean over ranks; overlapped `_hidden` time excluded, it is not part of
-the iteration) the one the prediction misses most. --details adds every category.
+measured iteration (mean over ranks, median over iterations; overlapped `_hidden` time
+excluded, it is not part of the iteration) the one the prediction misses most. --details
+adds every category.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ PROXIES = ("gpt2", "gpt3", "cosmoflow", "dlrm")
 MODES = ("none", "model")
 MAX_RANKS = 1 << 16  # every point runs on this machine
 SHARE = 0.10  # categories under this share of the iteration are not judged
+# Timed iterations per point and warm-ups before them. The first iteration after one
+# warm-up still pays one-time costs (MPI's heap growing to its temporaries: cosmoflow's
+# 2-rank point 10 ms, then 6.3), which a steady-state prediction does not include.
+ITERS, WARMUP = 5, 2
 
 
 def mpiexec() -> str:
@@ -164,12 +169,12 @@ def last_line(text: str) -> str:
 
 def compare(result: dict) -> dict:
     """The row's numbers from a proxy's --json result with --machine."""
-    measured = statistics.fmean(result["iter_time_s"])
+    measured = statistics.median(result["iter_time_s"])
     predicted = result["predicted_iter_time_s"]
     pred_cats = result.get("predicted_breakdown_s", {})
     cats = {}
     for c, per_iter in result["breakdown_s"].items():
-        m = statistics.fmean(per_iter)
+        m = statistics.median(per_iter)
         p = pred_cats.get(c, 0.0)  # a category the predictor has no figure for: it predicts 0
         cats[c] = {
             "measured_s": m,
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(cli.output_problem(args.json))  # before the points, not after them
     if args.machine and not os.path.isfile(args.machine):
         p.error(f"--machine: no such file: {args.machine}")
-    iters = 1 if args.quick else 3
+    iters, warmup = (1, 1) if args.quick else (ITERS, WARMUP)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         machine = args.machine
@@ -477,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                 base = Point(proxy, config, pargs, ranks, extra=extra)
                 none = None
                 if "none" in modes or (fixed is None and "model" in modes):
-                    none = run_point(base, machine, timeout=args.timeout, iters=iters)
+                    none = run_point(
+                        base, machine, timeout=args.timeout, iters=iters, warmup=warmup
+                    )
                     if "none" in modes:
                         rows.append(none)
                         print_progress(none)
@@ -495,14 +502,14 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print_progress(row)
                         continue
-                row = run_point(model, machine, timeout=args.timeout, iters=iters)
+                row = run_point(model, machine, timeout=args.timeout, iters=iters, warmup=warmup)
                 rows.append(row)
                 print_progress(row)
         mpi = next((r["mpi"] for r in rows if r.get("mpi")), "")
         waits = sorted({f"{r['ranks']} ranks: {r['wait']}" for r in rows if r.get("wait")})
         print(
-            f"\n# predicted vs measured per iteration, {iters} timed after 1 warm-up"
-            + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
+            f"\n# predicted vs measured per iteration, the median of {iters} timed after "
+            f"{warmup} warm-up" + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
         )
         print(f"# * error above {args.target:g}%")
         print_table(rows, args.target)

@@ -3,14 +3,15 @@
 Nodes come from MPI (COMM_TYPE_SHARED) unless --ranks-per-node emulates them; then:
 point-to-point ping-pong within a node (and across nodes, with 2 or more), fitted to
 latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul, copy
-and add rates with every rank of a node busy at once; each allreduce algorithm of
-proxies.collectives at a few sizes. Rank 0 writes the file (proxies.core.machine.dump),
+and add rates with a rank on every core of a node at once; each allreduce algorithm of
+proxies.collectives at a few sizes. Messages and allreduces use cold buffers, as the
+proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine.dump),
 with what was measured how in comments and the raw points and fit residuals under
 `calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
 
 Two regimes where a node has more ranks than cores: the figures the file has for every run
-(intra_node, node_bandwidth, the allreduce fit, MPI's fresh temporaries, the engine's cost
-per op) are measured with only as many ranks per node active as cores, the others parked
+(intra_node, node_bandwidth, compute, the allreduce fit, MPI's fresh temporaries, the
+engine's cost per op) are measured with only as many ranks per node active as cores, the
 in a sleeping wait; then the `oversubscribed` figures with every rank active and the runs'
 yielding waits. The predictor applies the second only to runs that crowd a node so.
 """
@@ -244,24 +245,32 @@ def main(argv: list[str] | None = None) -> int:
             "bandwidth": sig(nic),
         }
 
-    # -- compute, every rank at once; oversubscribed ranks share cores, which the
-    # predictor applies itself (ranks_per_node / cores_per_node): divide it out here
-    share = max(1.0, topo.ranks_per_node / topo.cores_per_node)
+    # -- compute: as many ranks per node as cores at once (the rest parked), each on a core
+    # of its own as in the runs that do not crowd the node; where ranks outnumber cores the
+    # predictor slows compute by ranks_per_node / cores_per_node itself. (Measured with
+    # every rank at once, the time-sliced ranks' medians vary by 2x from run to run.)
     reps = 3 if quick else 10  # the default run takes seconds: medians of 10
-    say("  np.matmul, copy and add rates, all ranks at once ...", flush=True)
+    say("  np.matmul, copy and add rates, a rank per core at once ...", flush=True)
     shapes = measure.QUICK_MATMUL_SHAPES if quick else measure.MATMUL_SHAPES
-    mm = measure.matmul_rates(comm, MPI, idle, shapes, reps)
-    per_shape = [statistics.median(rates) for _, rates in mm]
-    matmul = statistics.median(per_shape) * share
     copy_bytes = (8 if quick else 64) << 20
-    memory = statistics.median(measure.copy_rates(comm, MPI, idle, copy_bytes, reps)) * share
     add_bytes = (4 if quick else 32) << 20
-    reduce = statistics.median(measure.add_rates(comm, MPI, idle, add_bytes, reps)) * share
+    rates = None
+    if active:
+        mm = measure.matmul_rates(calm, MPI, calm.Barrier, shapes, reps)
+        copies = measure.copy_rates(calm, MPI, calm.Barrier, copy_bytes, reps)
+        adds = measure.add_rates(calm, MPI, calm.Barrier, add_bytes, reps)
+        rates = (mm, copies, adds)
+    idle()
+    mm, copies, adds = comm.bcast(rates, root=0)
+    per_shape = [statistics.median(rates) for _, rates in mm]
+    matmul = statistics.median(per_shape)
+    memory = statistics.median(copies)
+    reduce = statistics.median(adds)
     calibration["compute"] = {
         "matmul": [[*shape, sig(rate)] for (shape, _), rate in zip(mm, per_shape, strict=True)],
         "copy_bytes": copy_bytes,
         "add_bytes": add_bytes,
-        "shared_cores_factor": sig(share),
+        "ranks": calm_rpn * nodes,
     }
 
     # -- allreduce algorithms: the active ranks (spinning waits), then everyone (yielding)
@@ -416,9 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
                 flush=True,
             )
-        summary(m, topo, share)
+        summary(m, topo)
         # A minute of measuring is not lost to a full disk: save falls back and says where.
-        text = dumps(m, comments(m, topo, share, quick))
+        text = dumps(m, comments(m, topo, quick))
         written = report.save(args.output, text, prog=PROG, suffix=".yaml")
         if written is None:
             error = f"-o {args.output}: cannot write it nor a fallback"
@@ -428,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str, str]:
+def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
     c = m.calibration
     crowd = (
         f" Ranks outnumbered cores ({topo.real_ranks} ranks on {topo.real_cores} cores): the "
@@ -454,12 +463,12 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
         "nodes.cores_per_node": "cores the node's ranks may run on (sched_getaffinity), "
         "the smallest node's",
         "intra_node": fit.format("intra_node"),
-        "compute.matmul": "np.matmul float32 at the GPT-2 124M widths, every rank at once, "
-        "the median shape's per-rank rate",
+        "compute.matmul": "np.matmul float32 at the GPT-2 124M widths, a rank per core at "
+        "once (the rest parked), the median shape's per-rank rate",
         "compute.memory": "np.copyto of a large array: bytes read + written per second "
-        "(a copy of S bytes moves 2S), per rank, every rank at once",
+        "(a copy of S bytes moves 2S), per rank, a rank per core at once",
         "compute.reduce": "np.add(acc, recv, out=acc): bytes of received data added per "
-        "second, per rank, every rank at once",
+        "second, per rank, a rank per core at once",
         "unmeasured": "not measured: "
         + ("inter_node (one node: run on 2 or more nodes), " if m.inter is None else "")
         + "compute.device (NumPy runs on the CPU), switch (the topology is not probed)",
@@ -467,12 +476,6 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
         "ping-pong size; allreduce: [bytes per rank, seconds per call, slowest rank, "
         "median of calls] per algorithm of proxies.collectives",
     }
-    if share > 1:
-        out["compute.matmul"] += (
-            f"; ranks outnumbered cores, so the measured rate x {share:g} (ranks per node / "
-            "cores): the predictor's slowdown by that factor gives the measurement back. "
-            "Memory and reduce likewise"
-        )
     if m.oversub is not None:
         out["oversubscribed"] = (
             f"Ranks outnumber cores ({topo.ranks_per_node} per node on {topo.cores_per_node}): "
@@ -514,7 +517,7 @@ def comments(m: Machine, topo: Topology, share: float, quick: bool) -> dict[str,
     return out
 
 
-def summary(m: Machine, topo: Topology, share: float) -> None:
+def summary(m: Machine, topo: Topology) -> None:
     q = format_quantity
     c = m.calibration
     print(
@@ -532,7 +535,7 @@ def summary(m: Machine, topo: Topology, share: float) -> None:
     print(
         f"  compute     matmul {q(m.matmul_flops, 'rate')}, memory "
         f"{q(m.memory_bandwidth, 'bandwidth')}, reduce {q(m.reduce_bandwidth, 'bandwidth')} "
-        f"per rank" + (f" (measured x {share:g}: ranks outnumbered cores)" if share > 1 else "")
+        "per rank, a rank per core"
     )
     largest = {k: v[-1] for k, v in c["allreduce"].items()}
     words = ", ".join(f"{k} {v[1] * 1e6:.0f} us" for k, v in largest.items())

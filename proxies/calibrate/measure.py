@@ -4,6 +4,13 @@ Timing discipline: MPI.Wtime, warm-ups before timed repetitions, the median of t
 repetitions; where several ranks take part, the slowest rank's time. Ranks with nothing to
 do wait in a yielding barrier (test and sleep), so on a node with more ranks than cores
 they leave the cores to the ranks that measure.
+
+Cold buffers: a proxy's messages leave from and arrive in memory the caches lost long ago
+(an iteration touches far more than they hold), and on a CPU node that halves what a
+message of a MiB moves per second (1 MiB exchanged both ways between 2 cores: 82 us from
+cached buffers, 184 us from evicted ones, measured here). So every repetition of the
+messages and collectives below uses the next slice of an arena larger than the last-level
+cache (`Arena`), not the same cached buffer again.
 """
 
 from __future__ import annotations
@@ -20,6 +27,45 @@ PINGPONG_SIZES = [8 * 4**k for k in range(12)] + [64 << 20]
 QUICK_PINGPONG_SIZES = [8 * 8**k for k in range(7)]
 
 
+def cache_bytes() -> int:
+    """The largest CPU cache this process may use (Linux sysfs; 32 MiB where unreadable)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
+
+
+class Arena:
+    """Buffers for timed repetitions that are not in the caches: rep k of a size gets the
+    k-th slice of a touched array of 2 x the largest cache (or of the size, if larger), so
+    a slice comes back only after the whole arena has been through the caches since."""
+
+    def __init__(self, largest: int, dtype=np.uint8) -> None:
+        self.dtype = np.dtype(dtype)
+        span = max(2 * cache_bytes(), largest)
+        self.data = np.ones(span // self.dtype.itemsize, dtype=self.dtype)  # touched
+        self.next = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next slice of nbytes (whole elements, at least one), page aligned."""
+        n = max(1, nbytes // self.dtype.itemsize)
+        step = -(-n * self.dtype.itemsize // 4096) * 4096 // self.dtype.itemsize
+        if self.next + n > self.data.size:
+            self.next = 0
+        out = self.data[self.next : self.next + n]
+        self.next += step
+        return out
+
+
 def pingpong_reps(size: int, quick: bool) -> int:
     """Round trips per size: many for small messages (their times are short and noisy)."""
     reps = int(min(200, max(5, 2**24 // max(size, 1))))
@@ -30,16 +76,17 @@ def pingpong(
     comm, MPI, idle_barrier: Callable[[], None], a: int, b: int, sizes: Sequence[int], quick: bool
 ) -> list[tuple[int, float]]:
     """One-way seconds per message size between ranks a and b: the median round trip / 2
-    (blocking Send/Recv on uppercase buffers), two round trips of warm-up per size."""
+    (blocking Send/Recv on uppercase buffers, a cold slice of an Arena every round trip),
+    two round trips of warm-up per size."""
     r = comm.rank
     out: list[tuple[int, float]] = []
     if r in (a, b):
         peer = b if r == a else a
-        buf = np.ones(max(sizes), dtype=np.uint8)  # touched: no page faults in the timing
+        arena = Arena(max(sizes))  # touched: no page faults in the timing
         for size in sizes:
-            view = buf[:size]
             times = []
             for i in range(2 + pingpong_reps(size, quick)):
+                view = arena.take(size)
                 if r == a:
                     t0 = MPI.Wtime()
                     comm.Send(view, dest=peer, tag=TAG)
@@ -119,10 +166,10 @@ def node_exchange(
         barrier()
         return 0.0, 0, 0.0
     paired = mine[: 2 * pairs]
-    out = np.ones(size, dtype=np.uint8)
-    into = np.empty(size, dtype=np.uint8)
+    arena = Arena(2 * size)
     times = []
     for rep in range(1 + reps):
+        out, into = arena.take(size), arena.take(size)
         barrier()
         t0 = MPI.Wtime()
         if comm.rank in paired:
@@ -220,23 +267,23 @@ def allreduce_measurements(
 
     algs = list(algorithms or ALGORITHMS)
     barrier = barrier or comm.Barrier
-    whole = np.zeros(max(sizes) // 4 or 1, dtype=np.float32)
+    arena = Arena(max(sizes), np.float32)
+    arena.data[...] = 0  # zeros: repeated sums stay finite
     out: dict[str, list[tuple[int, float]]] = {a: [] for a in algs}
     for size in sizes:
-        buf = whole[: max(1, size // 4)]
         for alg in algs:
-            buf[...] = 0
 
-            def call(buf=buf, alg=alg):
+            def call(buf, alg=alg):
                 allreduce(comm, buf, alg, wait=wait, ranks_per_node=ranks_per_node)
 
             for _ in range(warmup):
-                call()
+                call(arena.take(size))
             times = []
             for _ in range(reps):
+                buf = arena.take(size)  # a cold buffer, as a proxy's gradients are
                 barrier()
                 t0 = MPI.Wtime()
-                call()
+                call(buf)
                 times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
             out[alg].append((buf.nbytes, statistics.median(times)))
     return out

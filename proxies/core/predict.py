@@ -80,11 +80,12 @@ class Prediction:
 
 
 class _Msg:
-    __slots__ = ("src", "dst", "nbytes", "members", "matched", "on_done")
+    __slots__ = ("src", "dst", "nbytes", "members", "matched", "moving", "on_done")
 
     def __init__(self, src: int, dst: int, nbytes: int, members) -> None:
         self.src, self.dst, self.nbytes, self.members = src, dst, nbytes, members
         self.matched = 0.0
+        self.moving = 0.0  # when its bytes started to move (after the pair's earlier ones)
         self.on_done: list[Callable[[float, _Msg], None]] = []
 
 
@@ -147,6 +148,8 @@ class _Predictor:
         self.spans: dict[int, list] = {r: [] for r in self.plans}
         self.finish: dict[int, float] = {}
         self.channels: dict[tuple, tuple[deque, deque]] = {}
+        # (sender, receiver) -> matched messages waiting for the one moving on that pair
+        self.wires: dict[tuple[int, int], deque] = {}
         self.ncoll: dict[int, dict[str, int]] = {r: defaultdict(int) for r in self.plans}
         self.instances: dict[tuple, _Instance] = {}
         self.blocking: list[tuple[int, _Instance]] = []  # booked after the run
@@ -366,11 +369,31 @@ class _Predictor:
             mine.append(msg)
 
     def _transfer(self, msg: _Msg, t: float) -> None:
-        """A matched message: its level's latency, then its bytes as a flow."""
-        topo = self.topo
-        start = t + topo.alpha(msg.src, msg.dst)
+        """A matched message: its level's latency, then its bytes as a flow, behind the
+        messages from the same sender to the same receiver that are still moving (an MPI
+        transport carries one pair's messages in order, through one queue or connection:
+        a small send posted after a large one arrives after it)."""
+        start = t + self.topo.alpha(msg.src, msg.dst)
+        pair = (msg.src, msg.dst)
+        queue = self.wires.get(pair)
+        if queue is not None:
+            queue.append((msg, start))
+            return
+        self.wires[pair] = deque()
+        self._move(msg, start)
+
+    def _move(self, msg: _Msg, start: float) -> None:
+        """Move msg's bytes from `start`; then the next message queued on its pair."""
+        pair = (msg.src, msg.dst)
+        msg.moving = start
 
         def finished(end: float) -> None:
+            queue = self.wires[pair]
+            if queue:
+                nxt, ready = queue.popleft()
+                self._move(nxt, max(ready, end))
+            else:
+                del self.wires[pair]
             for cb in msg.on_done:
                 cb(end, msg)
 
@@ -442,7 +465,11 @@ class _Predictor:
         if not op.req:
             self.blocking.append((r, inst))
         if self.detail == "steps" and not inst.folded:
-            self._steps(inst, r, members.index(r), 0, t, set())
+            if op.req:  # after the rank has gone on to its next work (_steal sees it)
+                i = members.index(r)
+                self.at(t, lambda: self._steps(inst, r, i, 0, t, set()))
+            else:
+                self._steps(inst, r, members.index(r), 0, t, set())
         elif len(inst.posts) == inst.expected:
             self._phase(inst, 0, t)
 
@@ -491,8 +518,12 @@ class _Predictor:
             if what == "send" or what == "recv":
                 h, peer, elements = ev[1], members[ev[2]], ev[3]
 
-                def arrived(end, msg, h=h):
+                def arrived(end, msg, h=h, into=what == "recv"):
                     done.add(h)
+                    if into and inst.op.req and self.topo.same_node(msg.src, msg.dst):
+                        # within a node the receiver's core copies the bytes in, inside
+                        # the MPI call that progresses the collective
+                        self._steal(r, msg.moving, end - msg.moving, inst.op.category)
                     state = resume.get("wait")
                     if state is not None and state <= done:
                         del resume["wait"]
@@ -562,12 +593,21 @@ class _Predictor:
             return
         left = [len(flows)]
 
-        def one_done(end: float) -> None:
+        def one_done(end: float, into: int | None = None) -> None:
+            if into is not None:  # as in _steps: the receiver's core copies the bytes in
+                self._steal(into, t, end - t, inst.op.category)
             left[0] -= 1
             if left[0] == 0:
                 tail_at(end)
 
-        self.flows.start_many([self._flow(a, b, n, one_done, members) for a, b, n in flows], t)
+        def done_for(a: int, b: int):
+            if inst.op.req and b in self.plans and topo.same_node(a, b):
+                return lambda end: one_done(end, b)
+            return one_done
+
+        self.flows.start_many(
+            [self._flow(a, b, n, done_for(a, b), members) for a, b, n in flows], t
+        )
 
 
 def predict(

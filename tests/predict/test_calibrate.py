@@ -36,6 +36,28 @@ def test_fit_weighs_small_and_large_sizes_alike():
     assert len(residuals) == len(points) and max(abs(r) for r in residuals) < 0.12
 
 
+def test_arena_hands_out_slices_the_caches_have_lost():
+    from proxies.calibrate.measure import Arena, cache_bytes
+
+    assert cache_bytes() >= 1 << 16
+    arena = Arena(1 << 20)
+    assert arena.data.nbytes >= 2 * cache_bytes()
+    size = 1 << 20
+    per_lap = arena.data.nbytes // size
+    slices = [arena.take(size) for _ in range(per_lap + 1)]
+    starts = [s.__array_interface__["data"][0] for s in slices]
+    # every slice of a lap is new (an arena of 2 x the caches between two uses of one)...
+    assert len(set(starts[:per_lap])) == per_lap and all(s.nbytes == size for s in slices)
+    # ...then it starts over at the beginning; a size above the arena gets the whole arena
+    assert starts[per_lap] == starts[0]
+    big = Arena(1 << 20).take(arena.data.nbytes * 2)
+    assert big.nbytes <= arena.data.nbytes
+    # small sizes advance by a page, so no two share a cache line
+    tiny = Arena(1 << 20)
+    a, b = tiny.take(8), tiny.take(8)
+    assert b.__array_interface__["data"][0] - a.__array_interface__["data"][0] == 4096
+
+
 def test_output_problems(tmp_path):
     assert output_problem(str(tmp_path / "m.yaml")) is None
     assert "no such directory" in output_problem("/nonexistent/dir/x.yaml")
@@ -144,4 +166,5 @@ def test_quick_run_with_ranks_outnumbering_cores(tmp_path):
         <= cal["oversubscribed_fit"]["rms_log_error_before"]
     )
     assert cal["node"]["flows"] == 0 and cal["oversubscribed_node"]["flows"] == 2
+    assert cal["compute"]["ranks"] == 1  # kernel rates with a rank per core, the other parked
     assert "# Ranks outnumber cores (2 per node on 1)" in open(out).read()

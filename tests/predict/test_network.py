@@ -7,8 +7,9 @@ import math
 import pytest
 
 from proxies.core.machine import Level, Machine
+from proxies.core.mpi_choice import chooser
 from proxies.core.network import Flow, Flows, Topology, fair_share
-from proxies.core.plan import P2P, Compute, Msg, Plan
+from proxies.core.plan import P2P, Compute, Msg, Plan, Wait
 from proxies.core.predict import predict
 
 GBIT = 1e9 / 8  # bytes/s in one Gb/s
@@ -122,3 +123,53 @@ def test_breakdown_adds_up_with_compute_and_waiting():
         assert sum(p.breakdown[r].values()) == pytest.approx(p.time)
     assert p.breakdown[0]["idle"] == pytest.approx(1.0)
     assert p.breakdown[1]["compute"] == 1.0
+
+
+# -- one pair's messages move in order -----------------------------------------------------------
+
+
+def _behind(big_peer: int):
+    """Rank 0 posts a non-blocking 8 MB send to rank big_peer, then an 8 kB one to rank 1;
+    ranks 1 and 2 post non-blocking receives for what is meant for them at once. Returns
+    when each message arrived."""
+    big, small = 2_000_000, 2_000  # float32 elements: 8 MB and 8 kB
+    groups = {}
+    plans = [
+        Plan(
+            0,
+            (
+                P2P("big", sends=(Msg(big_peer, 1, "x", 0, big),), req="b"),
+                P2P("small", sends=(Msg(1, 2, "x", 0, small),), req="s"),
+                Wait("b"),
+                Wait("s"),
+            ),
+            groups,
+        )
+    ]
+    for q in (1, 2):
+        posts, waits = [], []
+        if q == big_peer:
+            posts.append(P2P("big", recvs=(Msg(0, 1, "x", 0, big),), req="b"))
+            waits.append(Wait("b"))
+        if q == 1:
+            posts.append(P2P("small", recvs=(Msg(0, 2, "x", 0, small),), req="s"))
+            waits.append(Wait("s"))
+        plans.append(Plan(q, (*posts, *waits), groups))
+    m = machine(rpn=4, intra=10e9, lat=1e-6)
+    pred = predict(plans, Topology(m), lambda r, op: 0.0, chooser(m), keep_spans=True)
+    return {op.name: end for q in (1, 2) for _, end, op, idle in pred.spans[q] if idle is None}
+
+
+def test_a_small_message_behind_a_large_one_to_the_same_rank_waits_for_it():
+    # MPI carries one pair's messages in order (one shared-memory queue or connection): the
+    # small send posted after the large one arrives after it, not beside it at a fair share
+    ends = _behind(big_peer=1)
+    big_done = 1e-6 + 8e6 / 10e9
+    assert math.isclose(ends["big"], big_done, rel_tol=1e-9)
+    assert math.isclose(ends["small"], big_done + 8e3 / 10e9, rel_tol=1e-9)
+
+
+def test_messages_to_different_ranks_do_not_queue():
+    # the large one goes to rank 2: rank 1's moves at once, beside it (sharing rank 0's port)
+    ends = _behind(big_peer=2)
+    assert math.isclose(ends["small"], 1e-6 + 8e3 / 5e9, rel_tol=1e-9)
