@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         calibration["oversubscribed_allreduce"] = {
             k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
         }
+        say("  how late yielding waits wake, every rank at once ...", flush=True)
+        wake = measure.sleep_overshoot(comm, MPI, 3 if quick else 10)
+        calibration["oversubscribed_wake"] = sig(wake)
 
     # -- MPI's temporaries: when fresh (page faults counted), and the fault rate
     say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)
@@ -412,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 oversub=m.intra,
                 oversub_node_bandwidth=sig(crowded_node_bw),
                 oversub_op_overhead=sig(crowded_overhead) if crowded_overhead else None,
+                oversub_wake=sig(max(wake, 0.0)),
             )
             m, over = fit_oversubscribed(m, crowded_times, n, topo.ranks_per_node)
             m = replace(
@@ -484,7 +488,8 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "instead for runs that crowd a node so, are fitted to allreduces on every rank "
             "with yielding waits, MPI's own included (calibration.oversubscribed_fit); "
             "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
-            "with yielding waits."
+            "with yielding waits, wake: how much longer than asked a sleep of 20 us to 1 ms "
+            "lasted, every rank at once (the waits test only between sleeps)."
         )
     if m.fresh_above is not None:
         out["fresh_memory"] = (

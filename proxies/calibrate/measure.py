@@ -409,6 +409,32 @@ def fault_rates(comm, MPI, barrier: Callable[[], None], nbytes: int, reps: int) 
     return [nbytes / max(f - w, 1e-9) for f, w in zip(fresh_s, warm_s, strict=True)]
 
 
+# -- how late a yielding wait's sleeps end ------------------------------------------------------
+
+
+def sleep_overshoot(comm, MPI, reps: int) -> float:
+    """Seconds a time.sleep of the yielding waits' lengths (20 us .. 1 ms) lasts longer than
+    asked, every rank at once (the timer slack, the wake-up on a crowded node): the median
+    over lengths and repetitions per rank, then over ranks."""
+    import time
+
+    from proxies.core.waiting import FIRST_SLEEP
+
+    lengths, d = [], FIRST_SLEEP
+    while d < 1e-3:
+        lengths.append(d)
+        d *= 2
+    lengths.append(1e-3)
+    comm.Barrier()
+    over = []
+    for _ in range(reps):
+        for d in lengths:
+            t0 = time.perf_counter()
+            time.sleep(d)
+            over.append(time.perf_counter() - t0 - d)
+    return statistics.median(comm.allgather(statistics.median(over)))
+
+
 # -- the engine's own cost per op --------------------------------------------------------------
 
 

@@ -18,7 +18,9 @@ faster than its level's link bandwidth (a private cap), and costs the level's la
 Where a run places more ranks on a node than it has cores and the machine file has an
 `oversubscribed` section, that section's latency, bandwidth and node_bandwidth replace
 intra_node's (a message waits for its peer to be scheduled; copies share the cores), and a
-message between nodes costs at least that latency; otherwise nothing changes.
+message between nodes costs at least that latency; otherwise nothing changes. Such a run's
+waits yield (`yielding`: they test, sleep, test again; waiting.yield_sees is when they see
+what they wait for), unless it was told --wait spin.
 
 Flows share links max-min fairly (progressive filling, as flow-level network simulators
 do): the most contended link fixes the rate of its flows, its capacity is removed from
@@ -50,12 +52,16 @@ BUS = "bus"  # a node's intra-node fabric as a whole (intra_node.node_bandwidth)
 class Topology:
     """Which links a flow between two world ranks crosses, and what they can carry."""
 
-    def __init__(self, machine, ranks_per_node: int | None = None) -> None:
+    def __init__(self, machine, ranks_per_node: int | None = None, wait: str = "auto") -> None:
         self.machine = machine
         self.rpn = ranks_per_node or machine.ranks_per_node
         self.switch_nodes = machine.switch_nodes
         # ranks outnumber cores: the oversubscribed figures, where the file has them
         self.crowded = machine.oversub is not None and self.rpn > machine.cores_per_node
+        # the run's waits test and sleep (--wait; auto: where ranks outnumber cores), and
+        # each sleep lasts oversubscribed.wake longer than asked
+        self.yielding = wait == "yield" or (wait == "auto" and self.rpn > machine.cores_per_node)
+        self.wake = (machine.oversub_wake or 0.0) if self.yielding else 0.0
         self.intra = machine.oversub if self.crowded else machine.intra
         self._cap = {
             PORT_OUT: self.intra.bandwidth,

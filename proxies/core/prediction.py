@@ -101,7 +101,7 @@ def run_prediction(
     fold = "never" if perturbed is not None and perturbed.perturbs else fold
     dims = fold_dims(job, world, len(first.ops), fold)
     rpn = machine_rpn(args, machine)
-    topo = Topology(machine, rpn)
+    topo = Topology(machine, rpn, getattr(args, "wait", None) or "auto")
     if world > rpn and machine.inter is None:
         raise cli.UsageError(
             f"{machine.source or machine.name}: {world} ranks at {rpn} per node need "

@@ -12,10 +12,29 @@ calls; `Progress` is the helper thread that keeps testing them while the rank co
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 SPIN_FIRST = 50e-6  # seconds a yielding wait tests without sleeping
+FIRST_SLEEP = 2e-5  # then it sleeps this long, twice as long after each test, up to max_sleep
+
+
+def yield_sees(x: float, wake: float = 0.0, max_sleep: float = 1e-3) -> float:
+    """When a yielding wait (Waiter._poll) that began at 0 sees what became ready at x: at
+    once while it spins, then at its next test; each sleep lasts `wake` longer than asked
+    (the kernel's timer slack and the wake-up, ~70 us on Linux). The predictor's model of
+    a crowded run's waits."""
+    if x <= SPIN_FIRST:
+        return max(x, 0.0)
+    t, delay = SPIN_FIRST, FIRST_SLEEP
+    while delay < max_sleep:
+        t += delay + wake
+        if t >= x:
+            return t
+        delay = min(2 * delay, max_sleep)
+    step = delay + wake
+    return t + step * max(1, math.ceil((x - t) / step - 1e-12))
 
 
 class Waiter:
@@ -32,7 +51,7 @@ class Waiter:
             out = ready()
             if out:
                 return out
-        delay = 2e-5
+        delay = FIRST_SLEEP
         while True:
             out = ready()
             if out:

@@ -277,9 +277,12 @@ def test_predicted_idle_on_the_other_stages_grows_with_the_slowed_stage():
 
 
 def test_predicted_slow_link_is_fault_delay_on_its_receivers():
-    base, _ = predicted()
-    pred, _ = predicted("--slow-link 1-2:20")
-    slow, _ = predicted("--slow-link 1-2:40")
+    # spinning waits: 4 ranks on the file's 2 cores would yield, and a yielding wait sees
+    # its message only at its next test, which makes the iteration a step function of
+    # the delay (a later message can meet an earlier test); this test is about the delay
+    base, _ = predicted("--wait spin")
+    pred, _ = predicted("--wait spin --slow-link 1-2:20")
+    slow, _ = predicted("--wait spin --slow-link 1-2:40")
     adds_up(pred)
     assert "fault_delay" not in base.breakdown[1]
     for r in (1, 2):  # both receive over the link (activations one way, gradients back)

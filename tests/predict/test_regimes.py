@@ -106,13 +106,13 @@ def crowded_machine(cores: int, oversub: bool = True):
     return m
 
 
-def one_message(m, nbytes: int, rpn: int = 2) -> float:
+def one_message(m, nbytes: int, rpn: int = 2, wait: str = "spin") -> float:
     msg = lambda peer: Msg(peer, 1, "x", 0, nbytes // 4)  # noqa: E731
     plans = [
         Plan(0, (P2P("pp", sends=(msg(1),)),)),
         Plan(1, (P2P("pp", recvs=(msg(0),)),)),
     ]
-    return predict(plans, Topology(m, rpn), lambda r, o: 0.0, chooser(m)).time
+    return predict(plans, Topology(m, rpn, wait), lambda r, o: 0.0, chooser(m)).time
 
 
 def test_oversubscribed_figures_apply_only_when_ranks_outnumber_cores():
@@ -123,6 +123,27 @@ def test_oversubscribed_figures_apply_only_when_ranks_outnumber_cores():
     assert math.isclose(one_message(crowded_machine(2), nbytes), 1e-6 + nbytes / 10e9)
     # a file without the section (a cluster's) is priced as before, crowded or not
     assert math.isclose(one_message(crowded_machine(1, False), nbytes), 1e-6 + nbytes / 10e9)
+
+
+def test_yielding_waits_see_their_message_at_their_next_test():
+    from proxies.core.waiting import yield_sees
+
+    nbytes = 4 << 20
+    moved = 300e-6 + nbytes / 2e9  # 2.4 ms: the waits have long been sleeping 1 ms at a time
+    m = crowded_machine(1)
+    # tests at 50, 70, 110, 190, 350, 670, 1310, 2310, 3310 us: seen at 3.31 ms
+    assert math.isclose(yield_sees(moved), 3.31e-3, rel_tol=1e-9)
+    assert math.isclose(one_message(m, nbytes, wait="auto"), 3.31e-3, rel_tol=1e-9)
+    assert math.isclose(one_message(m, nbytes, wait="yield"), 3.31e-3, rel_tol=1e-9)
+    # each sleep lasting `wake` longer moves the tests: 50, 140, 250, 400, 630, 1020, 1730,
+    # then every 1.07 ms: 2800 us
+    woken = replace(m, oversub_wake=70e-6)
+    assert math.isclose(one_message(woken, nbytes, wait="auto"), 2.8e-3, rel_tol=1e-9)
+    # while it spins (the first 50 us) a wait sees its message at once; --wait spin always
+    assert yield_sees(30e-6) == 30e-6
+    assert math.isclose(one_message(m, nbytes, wait="spin"), moved, rel_tol=1e-9)
+    # a node with a core per rank spins (auto)
+    assert math.isclose(one_message(crowded_machine(2), nbytes, wait="auto"), 1e-6 + nbytes / 10e9)
 
 
 def test_oversubscribed_node_bandwidth_replaces_the_nodes():
