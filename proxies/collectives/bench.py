@@ -179,6 +179,7 @@ def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
         args.root,
         args.ranks_per_node,
         args.predict,
+        getattr(args, "wait", None) or "auto",
     )
 
 

@@ -264,10 +264,20 @@ def describe(name: str, redop: str, root: int, n: int) -> str:
 
 # -- prediction --------------------------------------------------------------------------
 def predicted_seconds(
-    machine, op: str, alg: str, n: int, count: int, dtype: str, root: int, rpn, detail: str
+    machine,
+    op: str,
+    alg: str,
+    n: int,
+    count: int,
+    dtype: str,
+    root: int,
+    rpn,
+    detail: str,
+    wait: str = "auto",
 ) -> float:
     """One call on `machine`: our algorithm as named, `mpi` as the machine file says the
-    library runs it; sendrecv as one send and one receive per rank posted together."""
+    library runs it; sendrecv as one send and one receive per rank posted together; waits
+    as --wait says (auto: yielding where ranks outnumber cores)."""
     from proxies.core.mpi_choice import mpi_algorithm
     from proxies.core.plan import P2P, Collective, Msg, Plan
     from proxies.core.predict import Topology, predict
@@ -296,5 +306,5 @@ def predicted_seconds(
     def pick(kind: str, nbytes: int) -> str:
         return mpi_algorithm(machine, kind, nbytes) if alg == "mpi" else alg
 
-    topo = Topology(machine, rpn)
+    topo = Topology(machine, rpn, wait)
     return predict(plans, topo, lambda r, o: 0.0, pick, detail=detail).time
