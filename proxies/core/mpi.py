@@ -31,8 +31,57 @@ def init():
     mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    forget_shared_segments(MPI)
     supervisor.report(supervisor.LOCAL, "building the job")
     return MPI
+
+
+SEGMENTS = ("mpich_shm_",)  # MPICH's node segment: every local rank maps it in MPI_Init
+
+
+def forget_shared_segments(MPI) -> list[str]:
+    """Unlink the MPI library's shared-memory segment file once every rank of the node has
+    mapped it (MPI_Init did; a barrier on the node says so), as UCX does with its own: the
+    mappings live on, and a run that ends killed (--kill-rank, a fault, a timeout, MPI_Abort)
+    no longer leaves the file in /dev/shm, where each such run kept 2-4 MiB of memory (1,033
+    of them, 2.6 GB, on a development machine). Only MPICH's, whose ranks all attach at
+    initialisation; Open MPI's shared-memory transport may attach to a peer's segment later,
+    so its files are left alone. Returns the paths unlinked (local rank 0), else []."""
+    try:
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    except Exception:  # noqa: BLE001 - no node communicator: nothing to do
+        return []
+    gone: list[str] = []
+    try:
+        node.Barrier()
+        if node.rank == 0:
+            for path in _mapped_segments():
+                try:
+                    os.unlink(path)
+                    gone.append(path)
+                except OSError:
+                    pass
+        node.Barrier()
+    finally:
+        node.Free()
+    return gone
+
+
+def _mapped_segments() -> list[str]:
+    """This process's mapped /dev/shm files of SEGMENTS that still have a name."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:  # not Linux
+        return []
+    out = []
+    for line in lines:
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        name = os.path.basename(path)
+        live = path.startswith("/dev/shm/") and not path.endswith(" (deleted)")
+        if live and name.startswith(SEGMENTS) and path not in out:
+            out.append(path)
+    return out
 
 
 def _startup_fault() -> None:
