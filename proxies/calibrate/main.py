@@ -306,9 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         calibration["oversubscribed_allreduce"] = {
             k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
         }
-        say("  how late yielding waits wake, every rank at once ...", flush=True)
-        wake = measure.sleep_overshoot(comm, MPI, 3 if quick else 10)
-        calibration["oversubscribed_wake"] = sig(wake)
 
     # -- MPI's temporaries: when fresh (page faults counted), and the fault rate
     say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)
@@ -338,7 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     crowded_overhead = None
     if crowded:
         crowded_overhead = measure.engine_overhead(comm, MPI, ops, iters, "yield")
-    calibration["engine"] = {"ops": ops, "op_overhead": sig(op_overhead)}
+    # how much longer than asked a sleep lasts (slept compute, yielding waits' sleeps): a
+    # rank per core at once
+    wake = 0.0
+    if active:
+        wake = measure.sleep_overshoot(calm, MPI, 3 if quick else 10)
+    idle()
+    wake = max(0.0, comm.bcast(wake, root=0))
+    calibration["engine"] = {"ops": ops, "op_overhead": sig(op_overhead), "wake": sig(wake)}
     if crowded_overhead is not None:
         calibration["engine"]["oversubscribed_op_overhead"] = sig(crowded_overhead)
     # -- last (it leaves glibc's thresholds raised): the fault rate MPI itself sees
@@ -383,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh_above=above,
         fault_rate=sig(fault_rate) if above is not None else None,
         op_overhead=sig(op_overhead) if op_overhead > 0 else 0.0,
+        wake=sig(wake),
     )
     error = None
     if r == 0:
@@ -415,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
                 oversub=m.intra,
                 oversub_node_bandwidth=sig(crowded_node_bw),
                 oversub_op_overhead=sig(crowded_overhead) if crowded_overhead else None,
-                oversub_wake=sig(max(wake, 0.0)),
             )
             m, over = fit_oversubscribed(m, crowded_times, n, topo.ranks_per_node)
             m = replace(
@@ -488,8 +492,7 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "instead for runs that crowd a node so, are fitted to allreduces on every rank "
             "with yielding waits, MPI's own included (calibration.oversubscribed_fit); "
             "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
-            "with yielding waits, wake: how much longer than asked a sleep of 20 us to 1 ms "
-            "lasted, every rank at once (the waits test only between sleeps)."
+            "with yielding waits."
         )
     if m.fresh_above is not None:
         out["fresh_memory"] = (
@@ -500,12 +503,15 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "threshold (calibration.fresh_memory.from_mpi); if that is noise, filling a new "
             "4 KiB-page mapping less filling mapped memory (fill_rate)."
         )
-    if m.op_overhead:
+    if m.op_overhead or m.wake:
         out["engine"] = (
-            "the engine's own seconds per plan op (an iteration less its ops' own times, as "
-            "runs book `overhead`): a plan of a non-blocking 1-element allreduce pending "
-            "under two empty computes, its wait and a blocking 1-element allreduce, over "
-            "and over, through the real engine on the active ranks, spinning waits"
+            "op_overhead: the engine's own seconds per plan op (an iteration less its ops' "
+            "own times, as runs book `overhead`): a plan of a non-blocking 1-element "
+            "allreduce pending under two empty computes, its wait and a blocking 1-element "
+            "allreduce, over and over, through the real engine on the active ranks, "
+            "spinning waits. wake: how much longer than asked time.sleep of 20 us to 1 ms "
+            "lasted (median), a rank per core at once: each slept compute op and each sleep "
+            "of a yielding wait lasts that much longer"
         )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")

@@ -414,7 +414,7 @@ def fault_rates(comm, MPI, barrier: Callable[[], None], nbytes: int, reps: int) 
 
 def sleep_overshoot(comm, MPI, reps: int) -> float:
     """Seconds a time.sleep of the yielding waits' lengths (20 us .. 1 ms) lasts longer than
-    asked, every rank at once (the timer slack, the wake-up on a crowded node): the median
+    asked, every rank of `comm` at once (the kernel's timer slack, the wake-up): the median
     over lengths and repetitions per rank, then over ranks."""
     import time
 

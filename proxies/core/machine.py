@@ -8,9 +8,9 @@
     compute: {matmul: 100 GFLOP/s, memory: 10 GB/s, device: 150 TFLOP/s, reduce: 5 GB/s}
     mpi: {allreduce: [[2 KiB, tree], [any, rhd]]}           # optional
     oversubscribed: {latency: 300 us, bandwidth: 10 GB/s, node_bandwidth: 8 GB/s,
-                     op_overhead: 400 us, wake: 70 us}       # optional: ranks > cores
+                     op_overhead: 400 us}                    # optional: ranks > cores
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
-    engine: {op_overhead: 20 us}                             # optional: per plan op
+    engine: {op_overhead: 20 us, wake: 70 us}                # optional
     unmeasured: [inter_node]                                 # optional (calibrate)
     calibration: {...}                                       # optional (calibrate)
 
@@ -22,9 +22,9 @@ file (never oversubscribed) is unaffected. `fresh_memory`: MPI's temporary buffe
 `above` bytes are fresh mappings (glibc's mmap threshold) faulted in on every call at
 `rate` bytes/s; the predictor charges that on the reductions of MPI's own collectives.
 `engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling), booked
-as the measured run books it. `oversubscribed.wake`: how much longer than asked a yielding
-wait's sleep lasts (the kernel's timer slack and the wake-up): a crowded run's waits test
-for their message only between sleeps (waiting.py), which the predictor follows.
+as the measured run books it. `engine.wake`: how much longer than asked a sleep lasts (the
+kernel's timer slack and the wake-up): a modelled or replayed compute op's, and a yielding
+wait's between its tests (waiting.py), both of which the predictor follows.
 
 Every figure carries its unit (proxies.core.units). `load` validates everything and raises
 MachineError "<file>: <key>: <what is wrong>" (one line); `cli.machine` turns it into a
@@ -86,11 +86,11 @@ class Machine:
     oversub: Level | None = None  # a message's latency and one flow's bandwidth
     oversub_node_bandwidth: float | None = None  # a node's flows together
     oversub_op_overhead: float | None = None  # the engine's cost per op
-    oversub_wake: float | None = None  # a yielding wait's sleep lasts this much longer
     # MPI's temporaries above fresh_above bytes are faulted in at fault_rate bytes/s
     fresh_above: int | None = None
     fault_rate: float | None = None
     op_overhead: float = 0.0  # seconds: the engine's own cost per plan op
+    wake: float = 0.0  # seconds a sleep (slept compute, a yielding wait's) lasts longer
 
     def node_of(self, rank: int) -> int:
         """The node of `rank` under the default placement (consecutive blocks)."""
@@ -122,10 +122,9 @@ SECTIONS: dict[str, dict[str, str]] = {
         "bandwidth": "bandwidth",
         "node_bandwidth": "bandwidth",
         "op_overhead": "time",
-        "wake": "time",
     },
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
-    "engine": {"op_overhead": "time"},
+    "engine": {"op_overhead": "time", "wake": "time"},
 }
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
 OPTIONAL = {
@@ -136,7 +135,8 @@ OPTIONAL = {
     "compute.device",
     "oversubscribed.node_bandwidth",
     "oversubscribed.op_overhead",
-    "oversubscribed.wake",
+    "engine.op_overhead",
+    "engine.wake",
 }
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
@@ -315,10 +315,10 @@ def from_mapping(
         else None,
         oversub_node_bandwidth=fig.get("oversubscribed.node_bandwidth"),
         oversub_op_overhead=fig.get("oversubscribed.op_overhead"),
-        oversub_wake=fig.get("oversubscribed.wake"),
         fresh_above=int(fig["fresh_memory.above"]) if fig.get("fresh_memory.above") else None,
         fault_rate=fig.get("fresh_memory.rate"),
         op_overhead=fig.get("engine.op_overhead") or 0.0,
+        wake=fig.get("engine.wake") or 0.0,
     )
 
 
@@ -426,16 +426,19 @@ def to_mapping(m: Machine) -> dict:
             over["node_bandwidth"] = q(m.oversub_node_bandwidth, "bandwidth")
         if m.oversub_op_overhead is not None:
             over["op_overhead"] = q(m.oversub_op_overhead, "time")
-        if m.oversub_wake is not None:
-            over["wake"] = q(m.oversub_wake, "time")
         out["oversubscribed"] = over
     if m.fresh_above is not None and m.fault_rate is not None:
         out["fresh_memory"] = {
             "above": q(m.fresh_above, "count"),
             "rate": q(m.fault_rate, "bandwidth"),
         }
+    engine = {}
     if m.op_overhead:
-        out["engine"] = {"op_overhead": q(m.op_overhead, "time")}
+        engine["op_overhead"] = q(m.op_overhead, "time")
+    if m.wake:
+        engine["wake"] = q(m.wake, "time")
+    if engine:
+        out["engine"] = engine
     if m.mpi:
         out["mpi"] = {
             kind: [["any" if s == ANY else q(s, "count"), alg] for s, alg in rows]

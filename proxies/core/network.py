@@ -59,9 +59,9 @@ class Topology:
         # ranks outnumber cores: the oversubscribed figures, where the file has them
         self.crowded = machine.oversub is not None and self.rpn > machine.cores_per_node
         # the run's waits test and sleep (--wait; auto: where ranks outnumber cores), and
-        # each sleep lasts oversubscribed.wake longer than asked
+        # each sleep lasts engine.wake longer than asked
         self.yielding = wait == "yield" or (wait == "auto" and self.rpn > machine.cores_per_node)
-        self.wake = (machine.oversub_wake or 0.0) if self.yielding else 0.0
+        self.wake = machine.wake if self.yielding else 0.0
         self.intra = machine.oversub if self.crowded else machine.intra
         self._cap = {
             PORT_OUT: self.intra.bandwidth,

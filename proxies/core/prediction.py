@@ -40,18 +40,25 @@ def compute_cost(
     """(rank, op) -> predicted seconds of a Compute op in args.compute's mode, and a phrase
     saying how. model: the run's --device-tflops if given, else the machine's device rate;
     replay on a real run: the replayed times; real (and replay in a dry run): FLOPs at the
-    machine's matmul rate, slowed by ranks per node over cores where they share cores."""
+    machine's matmul rate, slowed by ranks per node over cores where they share cores.
+    model and replay sleep each op's time, and a sleep lasts the machine's engine.wake
+    longer than asked."""
     mode = args.compute
+    wake = machine.wake
     if mode == "none":
         return (lambda r, op: 0.0), "no compute (--compute none)"
+
+    def slept(d: float) -> float:
+        return d + wake if d > 0 else 0.0
+
     if mode == "model":
         rate = args.device_tflops * 1e12  # the machine's device rate unless given (cli)
         return (
-            lambda r, op: op.model_seconds(rate)
+            lambda r, op: slept(op.model_seconds(rate))
         ), f"compute modelled at {rate / 1e12:g} TFLOP/s (or the proxy's known per-op times)"
     if mode == "replay" and replay:
         return (
-            lambda r, op: replay[r].get((op.name, op.chunk), 0.0)
+            lambda r, op: slept(replay[r].get((op.name, op.chunk), 0.0))
         ), "compute as replayed (measured per op)"
     rate = machine.matmul_flops or machine.device_flops
     if not rate:

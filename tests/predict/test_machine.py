@@ -405,7 +405,7 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
         calibration={"points": [(8, 1.5e-6), (1024, 2e-6)], "fit": {"residual": 0.1}},
         oversub=Level(4.7e-4, 2.7e10),
         oversub_op_overhead=9e-6,
-        oversub_wake=6.8e-5,
+        wake=6.8e-5,
     )
     out = str(tmp_path / "m.yaml")
     comments = {"": "head line\nsecond line", "intra_node.latency": "measured " * 30}
@@ -417,7 +417,7 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
     assert same(back, dataclasses.replace(m, calibration=back.calibration))
     assert back.calibration == {"points": [[8, 1.5e-6], [1024, 2e-6]], "fit": {"residual": 0.1}}
     assert back.mpi == m.mpi and dumps(back, comments) == text
-    assert back.oversub_wake == 6.8e-5 and "  wake: 68 us" in text
+    assert back.wake == 6.8e-5 and "  wake: 68 us" in text
 
 
 # -- the command-line options (on a bare parser: the proxies wire them in) ------------------------

@@ -137,7 +137,7 @@ def test_yielding_waits_see_their_message_at_their_next_test():
     assert math.isclose(one_message(m, nbytes, wait="yield"), 3.31e-3, rel_tol=1e-9)
     # each sleep lasting `wake` longer moves the tests: 50, 140, 250, 400, 630, 1020, 1730,
     # then every 1.07 ms: 2800 us
-    woken = replace(m, oversub_wake=70e-6)
+    woken = replace(m, wake=70e-6)
     assert math.isclose(one_message(woken, nbytes, wait="auto"), 2.8e-3, rel_tol=1e-9)
     # while it spins (the first 50 us) a wait sees its message at once; --wait spin always
     assert yield_sees(30e-6) == 30e-6
@@ -239,3 +239,22 @@ def test_fit_caps_a_flow_bandwidth_no_prediction_sees_at_the_nodes():
             a = collective_seconds(wild, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
             b = collective_seconds(capped, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
             assert math.isclose(a, b, rel_tol=1e-12), (alg, n)
+
+
+def test_slept_compute_lasts_wake_longer():
+    # --compute model sleeps each op's time, and a sleep ends engine.wake late (the kernel's
+    # timer slack); an op of no time is not slept at all
+    from types import SimpleNamespace
+
+    from proxies.core.plan import Compute
+    from proxies.core.prediction import compute_cost
+
+    m = replace(crowded_machine(2), wake=70e-6)
+    args = SimpleNamespace(compute="model", device_tflops=1.0, ranks_per_node=2)
+    cost, _ = compute_cost(args, m)
+    assert math.isclose(cost(0, Compute("forward", flops=1e9)), 1e-3 + 70e-6, rel_tol=1e-12)
+    assert cost(0, Compute("forward", flops=0.0)) == 0.0
+    cost, _ = compute_cost(args, replace(m, wake=0.0))
+    assert math.isclose(cost(0, Compute("forward", flops=1e9)), 1e-3, rel_tol=1e-12)
+    args.compute = "none"
+    assert compute_cost(args, m)[0](0, Compute("forward", flops=1e9)) == 0.0
