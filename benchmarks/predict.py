@@ -308,11 +308,17 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
                 else ""
             )
             + (f", {m.oversub_op_overhead * 1e6:.3g} us/op" if m.oversub_op_overhead else "")
+            + (f", wake {m.oversub_wake * 1e6:.3g} us" if m.oversub_wake else "")
+            + (
+                f", MPI's collectives {m.oversub_mpi_latency * 1e3:.3g} ms per step"
+                if m.oversub_mpi_latency
+                else ""
+            )
         )
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
-    if m.op_overhead:
-        parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op")
+    if m.op_overhead or m.wake:
+        parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op, sleeps {m.wake * 1e6:.3g} us late")
     return " · ".join(parts), m.inter is None
 
 

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 from proxies.calibrate import measure
+from proxies.calibrate.describe import comments, summary
 from proxies.core import cli, report
 from proxies.core.machine import Level, Machine, dumps
-from proxies.core.units import format_quantity
 
 PROG = "proxies.calibrate"
 
@@ -303,6 +302,28 @@ def main(argv: list[str] | None = None) -> int:
             barrier=idle,
             ranks_per_node=rpn,
         )
+        if n >= 4 and n % 2 == 0:
+            # the proxies' groups are often small (tensor-parallel pairs, pipeline pairs)
+            # and run at once: MPI's allreduce in every pair of ranks together
+            from proxies.calibrate.fit import PAIRS
+
+            say("  MPI's allreduce in every pair of ranks at once, yielding waits ...")
+            duo = comm.Split(r // 2, r)
+            mine = measure.allreduce_measurements(
+                duo,
+                MPI,
+                ar_sizes,
+                ["mpi"],
+                reps=reps,
+                warmup=1 if quick else 2,
+                wait=waiter.waitall,
+                barrier=idle,
+            )["mpi"]
+            duo.Free()
+            every = comm.allgather(mine)
+            crowded_times[f"mpi{PAIRS}"] = [
+                (size, max(p[i][1] for p in every)) for i, (size, _) in enumerate(mine)
+            ]
         calibration["oversubscribed_allreduce"] = {
             k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
         }
@@ -420,12 +441,17 @@ def main(argv: list[str] | None = None) -> int:
                 oversub=m.intra,
                 oversub_node_bandwidth=sig(crowded_node_bw),
                 oversub_op_overhead=sig(crowded_overhead) if crowded_overhead else None,
+                oversub_wake=max(m.wake, 1e-5),  # the search scales it: not 0
             )
             m, over = fit_oversubscribed(m, crowded_times, n, topo.ranks_per_node)
             m = replace(
                 m,
                 oversub=Level(sig(m.oversub.latency), sig(m.oversub.bandwidth)),
                 oversub_node_bandwidth=sig(m.oversub_node_bandwidth),
+                oversub_wake=sig(m.oversub_wake),
+                oversub_mpi_latency=(
+                    sig(m.oversub_mpi_latency) if m.oversub_mpi_latency is not None else None
+                ),
             )
             m.calibration["oversubscribed_fit"] = fit_record(over, "start")
             say(
@@ -443,134 +469,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {written}", flush=True)
     mpi.agree(comm, error, PROG)
     return 0
-
-
-def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
-    c = m.calibration
-    crowd = (
-        f" Ranks outnumbered cores ({topo.real_ranks} ranks on {topo.real_cores} cores): the "
-        "pair shared cores with waiting ranks, as the runs do."
-        if topo.crowded
-        else ""
-    )
-    span = "8 B .. 2 MiB" if quick else "8 B .. 64 MiB"
-    fit = (
-        f"Started from ping-pong ({span}, blocking Send/Recv, median round trip / 2, "
-        "latency + bytes / bandwidth by least squares on the relative time; under "
-        "calibration.{}), then latencies and bandwidths fitted so that the predictor "
-        "prices every measured allreduce algorithm right (calibration.fit: the figures "
-        "before and after, the residual of every algorithm and size)." + crowd
-    )
-    out = {
-        "": f"Written by python -m proxies calibrate{' --quick' if quick else ''} on "
-        f"{c['date']}: {c['ranks']} ranks, {c['nodes']} node(s), {c['library']}. "
-        "Figures are per rank; see calibration: for what was measured.",
-        "nodes.ranks_per_node": "from MPI's shared-memory split"
-        if not any("emulated" in n for n in topo.notes)
-        else "emulated nodes (--ranks-per-node)",
-        "nodes.cores_per_node": "cores the node's ranks may run on (sched_getaffinity), "
-        "the smallest node's",
-        "intra_node": fit.format("intra_node"),
-        "compute.matmul": "np.matmul float32 at the GPT-2 124M widths, a rank per core at "
-        "once (the rest parked), the median shape's per-rank rate",
-        "compute.memory": "np.copyto of a large array: bytes read + written per second "
-        "(a copy of S bytes moves 2S), per rank, a rank per core at once",
-        "compute.reduce": "np.add(acc, recv, out=acc): bytes of received data added per "
-        "second, per rank, a rank per core at once",
-        "unmeasured": "not measured: "
-        + ("inter_node (one node: run on 2 or more nodes), " if m.inter is None else "")
-        + "compute.device (NumPy runs on the CPU), switch (the topology is not probed)",
-        "calibration": "raw measurements: [bytes, seconds, relative residual of the fit] per "
-        "ping-pong size; allreduce: [bytes per rank, seconds per call, slowest rank, "
-        "median of calls] per algorithm of proxies.collectives",
-    }
-    if m.oversub is not None:
-        out["oversubscribed"] = (
-            f"Ranks outnumber cores ({topo.ranks_per_node} per node on {topo.cores_per_node}): "
-            "the figures above were measured with only as many ranks per node active as "
-            "cores, the rest parked in a sleeping wait. These, which the predictor uses "
-            "instead for runs that crowd a node so, are fitted to allreduces on every rank "
-            "with yielding waits, MPI's own included (calibration.oversubscribed_fit); "
-            "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
-            "with yielding waits."
-        )
-    if m.fresh_above is not None:
-        out["fresh_memory"] = (
-            "MPI_Allreduce's page faults per call counted (getrusage) at sizes around "
-            "glibc's 32 MiB mmap threshold: above `above` its temporary is a fresh mapping "
-            "every call; rate: the bytes faulted in over what they cost MPI, the largest "
-            "size timed as glibc serves it and again with mallopt raising the mmap "
-            "threshold (calibration.fresh_memory.from_mpi); if that is noise, filling a new "
-            "4 KiB-page mapping less filling mapped memory (fill_rate)."
-        )
-    if m.op_overhead or m.wake:
-        out["engine"] = (
-            "op_overhead: the engine's own seconds per plan op (an iteration less its ops' "
-            "own times, as runs book `overhead`): a plan of a non-blocking 1-element "
-            "allreduce pending under two empty computes, its wait and a blocking 1-element "
-            "allreduce, over and over, through the real engine on the active ranks, "
-            "spinning waits. wake: how much longer than asked time.sleep of 20 us to 1 ms "
-            "lasted (median), a rank per core at once: each slept compute op and each sleep "
-            "of a yielding wait lasts that much longer"
-        )
-    if m.inter is not None:
-        out["inter_node"] = fit.format("inter_node")
-        if any("emulated" in n for n in topo.notes):
-            out["inter_node"] += (
-                " Nodes were emulated (--ranks-per-node) on one machine: this is shared "
-                "memory, not a network."
-            )
-        nic = c["nic"]
-        out["inter_node.nic_bandwidth"] = (
-            f"{nic['flows']} flow(s) of {nic['bytes_each'] >> 20} MiB from the other nodes into "
-            "node 0 at once, bytes / slowest time (a lower bound when few nodes send)"
-        )
-    return out
-
-
-def summary(m: Machine, topo: Topology) -> None:
-    q = format_quantity
-    c = m.calibration
-    print(
-        f"  intra_node  latency {q(m.intra.latency, 'time')}, bandwidth "
-        f"{q(m.intra.bandwidth, 'bandwidth')} (fit within "
-        f"{100 * c['intra_node']['max_abs_residual']:.0f}%)"
-    )
-    if m.inter is not None:
-        print(
-            f"  inter_node  latency {q(m.inter.latency, 'time')}, bandwidth "
-            f"{q(m.inter.bandwidth, 'bandwidth')} (fit within "
-            f"{100 * c['inter_node']['max_abs_residual']:.0f}%), NIC "
-            f"{q(m.nic_bandwidth, 'bandwidth')} ({c['nic']['flows']} flows)"
-        )
-    print(
-        f"  compute     matmul {q(m.matmul_flops, 'rate')}, memory "
-        f"{q(m.memory_bandwidth, 'bandwidth')}, reduce {q(m.reduce_bandwidth, 'bandwidth')} "
-        "per rank, a rank per core"
-    )
-    largest = {k: v[-1] for k, v in c["allreduce"].items()}
-    words = ", ".join(f"{k} {v[1] * 1e6:.0f} us" for k, v in largest.items())
-    if largest:
-        size = next(iter(largest.values()))[0]
-        print(f"  allreduce   {q(size, 'count')} per rank: {words}")
-    if m.oversub is not None:
-        print(
-            f"  oversubscribed  latency {q(m.oversub.latency, 'time')}, bandwidth "
-            f"{q(m.oversub.bandwidth, 'bandwidth')}"
-            + (
-                f" (node {q(m.oversub_node_bandwidth, 'bandwidth')})"
-                if m.oversub_node_bandwidth
-                else ""
-            )
-        )
-    if m.fresh_above is not None:
-        print(
-            f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
-            f"at {q(m.fault_rate, 'bandwidth')}"
-        )
-    print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
-    missing = [u for u in m.unmeasured]
-    print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
 
 
 def entry() -> None:

@@ -8,7 +8,8 @@
     compute: {matmul: 100 GFLOP/s, memory: 10 GB/s, device: 150 TFLOP/s, reduce: 5 GB/s}
     mpi: {allreduce: [[2 KiB, tree], [any, rhd]]}           # optional
     oversubscribed: {latency: 300 us, bandwidth: 10 GB/s, node_bandwidth: 8 GB/s,
-                     op_overhead: 400 us}                    # optional: ranks > cores
+                     op_overhead: 400 us, wake: 1 ms,
+                     mpi_latency: 3 ms}                      # optional: ranks > cores
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
     engine: {op_overhead: 20 us, wake: 70 us}                # optional
     unmeasured: [inter_node]                                 # optional (calibrate)
@@ -24,7 +25,11 @@ file (never oversubscribed) is unaffected. `fresh_memory`: MPI's temporary buffe
 `engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling), booked
 as the measured run books it. `engine.wake`: how much longer than asked a sleep lasts (the
 kernel's timer slack and the wake-up): a modelled or replayed compute op's, and a yielding
-wait's between its tests (waiting.py), both of which the predictor follows.
+wait's between its tests (waiting.py), both of which the predictor follows;
+`oversubscribed.wake` replaces it for the waits of runs that crowd a node (a woken rank
+also waits for a core). `oversubscribed.mpi_latency`: on a crowded node, the latency of each
+message of a collective the MPI library runs itself (its non-blocking schedule advances
+only inside the waits' tests: ms per step where our point-to-point programs take 100s of us).
 
 Every figure carries its unit (proxies.core.units). `load` validates everything and raises
 MachineError "<file>: <key>: <what is wrong>" (one line); `cli.machine` turns it into a
@@ -86,6 +91,8 @@ class Machine:
     oversub: Level | None = None  # a message's latency and one flow's bandwidth
     oversub_node_bandwidth: float | None = None  # a node's flows together
     oversub_op_overhead: float | None = None  # the engine's cost per op
+    oversub_wake: float | None = None  # a yielding wait's sleep lasts this much longer
+    oversub_mpi_latency: float | None = None  # a message of a collective MPI runs itself
     # MPI's temporaries above fresh_above bytes are faulted in at fault_rate bytes/s
     fresh_above: int | None = None
     fault_rate: float | None = None
@@ -122,6 +129,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "bandwidth": "bandwidth",
         "node_bandwidth": "bandwidth",
         "op_overhead": "time",
+        "wake": "time",
+        "mpi_latency": "time",
     },
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
     "engine": {"op_overhead": "time", "wake": "time"},
@@ -135,6 +144,8 @@ OPTIONAL = {
     "compute.device",
     "oversubscribed.node_bandwidth",
     "oversubscribed.op_overhead",
+    "oversubscribed.wake",
+    "oversubscribed.mpi_latency",
     "engine.op_overhead",
     "engine.wake",
 }
@@ -315,6 +326,8 @@ def from_mapping(
         else None,
         oversub_node_bandwidth=fig.get("oversubscribed.node_bandwidth"),
         oversub_op_overhead=fig.get("oversubscribed.op_overhead"),
+        oversub_wake=fig.get("oversubscribed.wake"),
+        oversub_mpi_latency=fig.get("oversubscribed.mpi_latency"),
         fresh_above=int(fig["fresh_memory.above"]) if fig.get("fresh_memory.above") else None,
         fault_rate=fig.get("fresh_memory.rate"),
         op_overhead=fig.get("engine.op_overhead") or 0.0,
@@ -426,6 +439,10 @@ def to_mapping(m: Machine) -> dict:
             over["node_bandwidth"] = q(m.oversub_node_bandwidth, "bandwidth")
         if m.oversub_op_overhead is not None:
             over["op_overhead"] = q(m.oversub_op_overhead, "time")
+        if m.oversub_wake is not None:
+            over["wake"] = q(m.oversub_wake, "time")
+        if m.oversub_mpi_latency is not None:
+            over["mpi_latency"] = q(m.oversub_mpi_latency, "time")
         out["oversubscribed"] = over
     if m.fresh_above is not None and m.fault_rate is not None:
         out["fresh_memory"] = {

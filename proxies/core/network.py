@@ -59,9 +59,11 @@ class Topology:
         # ranks outnumber cores: the oversubscribed figures, where the file has them
         self.crowded = machine.oversub is not None and self.rpn > machine.cores_per_node
         # the run's waits test and sleep (--wait; auto: where ranks outnumber cores), and
-        # each sleep lasts engine.wake longer than asked
+        # each sleep lasts engine.wake longer than asked (oversubscribed.wake on a crowded
+        # node: the woken rank also waits for a core)
         self.yielding = wait == "yield" or (wait == "auto" and self.rpn > machine.cores_per_node)
-        self.wake = machine.wake if self.yielding else 0.0
+        wake = machine.oversub_wake if self.crowded else None
+        self.wake = (machine.wake if wake is None else wake) if self.yielding else 0.0
         self.intra = machine.oversub if self.crowded else machine.intra
         self._cap = {
             PORT_OUT: self.intra.bandwidth,
@@ -96,9 +98,12 @@ class Topology:
     def capacity(self, link: tuple) -> float:
         return self._cap[link[0]]
 
-    def alpha(self, a: int, b: int) -> float:
-        """Latency of one message from world rank a to b."""
+    def alpha(self, a: int, b: int, library: bool = False) -> float:
+        """Latency of one message from world rank a to b (library: a step of a collective
+        the MPI library runs, oversubscribed.mpi_latency on a crowded node where given)."""
         if self.same_node(a, b):
+            if library and self.crowded and self.machine.oversub_mpi_latency is not None:
+                return self.machine.oversub_mpi_latency
             return self.intra.latency
         if self.crowded:
             return max(self._inter().latency, self.intra.latency)

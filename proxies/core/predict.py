@@ -83,12 +83,13 @@ class Prediction:
 
 
 class _Msg:
-    __slots__ = ("src", "dst", "nbytes", "members", "matched", "moving", "on_done")
+    __slots__ = ("src", "dst", "nbytes", "members", "matched", "moving", "library", "on_done")
 
     def __init__(self, src: int, dst: int, nbytes: int, members) -> None:
         self.src, self.dst, self.nbytes, self.members = src, dst, nbytes, members
         self.matched = 0.0
         self.moving = 0.0  # when its bytes started to move (after the pair's earlier ones)
+        self.library = False  # a step of a collective the MPI library runs
         self.on_done: list[Callable[[float, _Msg], None]] = []
 
 
@@ -327,8 +328,9 @@ class _Predictor(CollectiveSim):
         for m in op.recvs:
             self._post(("p", m.tag), m.peer, r, m.nbytes, False, t, one_done, None)
 
-    def _post(self, tag, src: int, dst: int, nbytes: int, sending: bool, t: float, done, members):
-        """Post one side of a message on channel (tag, src, dst); k-th send meets k-th recv."""
+    def _post(self, tag, src, dst, nbytes: int, sending: bool, t: float, done, members, inst=None):
+        """Post one side of a message on channel (tag, src, dst); k-th send meets k-th recv.
+        inst: the collective it is a step of (None: point-to-point)."""
         other = dst if sending else src
         if other not in self.plans:
             raise PlanError(
@@ -352,6 +354,7 @@ class _Predictor(CollectiveSim):
             self._transfer(msg, t)
         else:
             msg = _Msg(src, dst, nbytes, members)
+            msg.library = inst is not None and inst.library
             msg.on_done.append(done)
             mine.append(msg)
 
@@ -360,7 +363,7 @@ class _Predictor(CollectiveSim):
         messages from the same sender to the same receiver that are still moving (an MPI
         transport carries one pair's messages in order, through one queue or connection:
         a small send posted after a large one arrives after it)."""
-        start = t + self.topo.alpha(msg.src, msg.dst)
+        start = t + self.topo.alpha(msg.src, msg.dst, msg.library)
         pair = (msg.src, msg.dst)
         queue = self.wires.get(pair)
         if queue is not None:

@@ -24,12 +24,14 @@ class Instance:
 
     __slots__ = (
         "key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then", "fault",
+        "library",
     )  # fmt: skip
 
     def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
         self.key, self.members, self.op, self.alg = key, members, op, alg
         self.expected, self.folded = expected, folded
         self.fault = 0.0  # extra seconds per reduced byte (fresh temporaries)
+        self.library = False  # the MPI library runs it (not our point-to-point program)
         self.posts: dict[int, float] = {}  # simulated member -> post time
         self.ends: dict[int, float] = {}  # simulated member -> its end
         self.then: dict[int, Callable[[float], None]] = {}  # member -> what its end does
@@ -55,7 +57,8 @@ class CollectiveSim:
             inst = self.instances[key] = Instance(
                 key, members, op, alg, inside, inside < len(members)
             )
-            inst.fault = fault_seconds_per_byte(self.topo.machine, self.library(op.kind), op.nbytes)
+            inst.library = self.library(op.kind)
+            inst.fault = fault_seconds_per_byte(self.topo.machine, inst.library, op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
             raise PlanError(
                 f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "
@@ -88,7 +91,7 @@ class CollectiveSim:
         from proxies.core.collectives import steps
 
         op, members = inst.op, inst.members
-        key = (what, op.kind, inst.alg, members, op.count, itemsize(op.dtype))
+        key = (what, op.kind, inst.alg, members, op.count, itemsize(op.dtype), inst.library)
         shape = self._shapes.get(key)
         if shape is None:
             n, isz, nodes = len(members), itemsize(op.dtype), self._nodes(members)
@@ -96,14 +99,14 @@ class CollectiveSim:
             if what == "trace":
                 shape = steps.trace(kind, inst.alg, n, op.count, isz, nodes)
             else:
-                alpha = self.topo.alpha
+                alpha, lib = self.topo.alpha, inst.library
                 shape = steps.coarse(
                     kind,
                     inst.alg,
                     n,
                     op.count,
                     isz,
-                    lambda i, j: alpha(members[i], members[j]),
+                    lambda i, j: alpha(members[i], members[j], lib),
                     nodes,
                 )
             self._shapes[key] = shape
@@ -138,7 +141,7 @@ class CollectiveSim:
                             self.at(seen, lambda: self._steps(inst, r, i, pos, seen, done))
 
                 src, dst = (r, peer) if what == "send" else (peer, r)
-                self._post(tag, src, dst, elements * isz, what == "send", t, arrived, members)
+                self._post(tag, src, dst, elements * isz, what == "send", t, arrived, members, inst)
                 pos += 1
             elif what == "wait":
                 need = set(ev[1])

@@ -246,7 +246,7 @@ def collective_seconds(
     machine,
     kind: str,
     alg: str,
-    n: int,
+    n: int | Sequence[Sequence[int]],
     count: int,
     dtype: str = "float32",
     ranks_per_node: int | None = None,
@@ -256,10 +256,11 @@ def collective_seconds(
     """Predicted seconds of one collective over ranks 0..n-1 (the collectives benchmark's
     "is my number normal?"): `alg` as --allreduce names it ("mpi": what the machine file
     says the library runs). library: `alg` is run by the MPI library (its temporaries may
-    be fresh memory), as "mpi" always is."""
-    group = tuple(range(n))
-    op = Collective(kind, "world", "x", count, dtype)
-    plans = [Plan(r, (op,), {"world": group}) for r in group]
+    be fresh memory), as "mpi" always is. n may also be a list of groups (tuples of world
+    ranks) that each run it at once: the time until the last finishes."""
+    groups = [tuple(range(n))] if isinstance(n, int) else [tuple(g) for g in n]
+    op = lambda g: Collective(kind, f"g{g[0]}", "x", count, dtype)  # noqa: E731
+    plans = [Plan(r, (op(g),), {f"g{g[0]}": g}) for g in groups for r in g]
     topo = Topology(machine, ranks_per_node)
     pick = chooser(machine, alg)
     if library:

@@ -405,6 +405,8 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
         calibration={"points": [(8, 1.5e-6), (1024, 2e-6)], "fit": {"residual": 0.1}},
         oversub=Level(4.7e-4, 2.7e10),
         oversub_op_overhead=9e-6,
+        oversub_wake=2.75e-4,
+        oversub_mpi_latency=2.1e-3,
         wake=6.8e-5,
     )
     out = str(tmp_path / "m.yaml")
@@ -418,6 +420,9 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
     assert back.calibration == {"points": [[8, 1.5e-6], [1024, 2e-6]], "fit": {"residual": 0.1}}
     assert back.mpi == m.mpi and dumps(back, comments) == text
     assert back.wake == 6.8e-5 and "  wake: 68 us" in text
+    assert math.isclose(back.oversub_wake, 2.75e-4)
+    assert math.isclose(back.oversub_mpi_latency, 2.1e-3)
+    assert "  mpi_latency: 2.1 ms" in text
 
 
 # -- the command-line options (on a bare parser: the proxies wire them in) ------------------------

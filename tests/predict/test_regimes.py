@@ -258,3 +258,25 @@ def test_slept_compute_lasts_wake_longer():
     assert math.isclose(cost(0, Compute("forward", flops=1e9)), 1e-3, rel_tol=1e-12)
     args.compute = "none"
     assert compute_cost(args, m)[0](0, Compute("forward", flops=1e9)) == 0.0
+
+
+def test_mpi_latency_prices_the_library_collectives_steps_on_a_crowded_node():
+    from proxies.core.prediction import collective_seconds
+
+    m = replace(crowded_machine(1), oversub_mpi_latency=2e-3)
+    crowded, spread = Topology(m, 2), Topology(m, 1)
+    assert crowded.alpha(0, 1, library=True) == 2e-3 and crowded.alpha(0, 1) == 300e-6
+    assert spread.alpha(0, 0, library=True) == 1e-6  # a core per rank: intra_node's
+    # an 8-byte allreduce on 2 crowded ranks: one recursive-doubling exchange, at the
+    # library's step latency when MPI runs it, at the message latency when ours does
+    count = 2
+    for detail in ("steps", "coarse"):
+        mpi = collective_seconds(m, "allreduce", "mpi", 2, count, ranks_per_node=2, detail=detail)
+        ours = collective_seconds(m, "allreduce", "rd", 2, count, ranks_per_node=2, detail=detail)
+        assert mpi > 2e-3 > ours
+    # a file without the figure: the library's steps cost what any message does
+    plain = crowded_machine(1)
+    assert math.isclose(
+        collective_seconds(plain, "allreduce", "mpi", 2, count, ranks_per_node=2, detail="steps"),
+        collective_seconds(plain, "allreduce", "rd", 2, count, ranks_per_node=2, detail="steps"),
+    )
