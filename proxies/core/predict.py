@@ -295,8 +295,9 @@ class _Predictor(CollectiveSim):
         if left == 0:
             then(t)
             return
-        # messages left, when the last was matched, the last arrival, the last with holds
-        state = [left, t, t, t]
+        # messages left, when the last was matched, the last arrival, the last with holds,
+        # the last receive (with holds), the last send
+        state = [left, t, t, t, t, t]
 
         def one_done(end: float, m: _Msg) -> None:
             state[0] -= 1
@@ -306,7 +307,12 @@ class _Predictor(CollectiveSim):
             # its transfer time; not a non-blocking batch's (p2p_async.py)
             pair = (min(m.src, m.dst), max(m.src, m.dst))
             f = self.slow_links.get(pair) if m.dst == r and not op.req else 0
-            state[3] = max(state[3], end + (f - 1) * (end - m.matched) if f else end)
+            held = end + (f - 1) * (end - m.matched) if f else end
+            state[3] = max(state[3], held)
+            if m.dst == r:
+                state[4] = max(state[4], held)
+            else:
+                state[5] = max(state[5], end)
             if state[0] == 0:
                 end = state[3]
                 if not op.req:
@@ -315,9 +321,11 @@ class _Predictor(CollectiveSim):
                     book[op.category] += state[2] - state[1]
                     if state[3] > state[2]:
                         book[DELAY] += state[3] - state[2]
-                    # a yielding wait sees its message at its next test: the engine books
-                    # that in its wait for the message (idle)
-                    end = self._seen(t, state[3])
+                    # a yielding wait sees what it waits for at its next test: the receives
+                    # from the batch's start, then the sends from when their wait begins
+                    # (after the receives); the engine books that in its waits (idle)
+                    got = self._seen(t, state[4])
+                    end = max(got, self._seen(got, state[5]), state[3])
                     book["idle"] += end - state[3]
                     if self.keep_spans:
                         self.spans[r].append((t, end, op, state[1] - t + end - state[3]))
