@@ -300,21 +300,9 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
             )
         )
     if m.oversub is not None:
-        parts.append(
-            f"oversubscribed {m.oversub.latency * 1e6:.3g} us, {m.oversub.bandwidth / g:.3g} GB/s"
-            + (
-                f" (node {m.oversub_node_bandwidth / g:.3g} GB/s)"
-                if m.oversub_node_bandwidth
-                else ""
-            )
-            + (f", {m.oversub_op_overhead * 1e6:.3g} us/op" if m.oversub_op_overhead else "")
-            + (f", wake {m.oversub_wake * 1e6:.3g} us" if m.oversub_wake else "")
-            + (
-                f", MPI's collectives {m.oversub_mpi_latency * 1e3:.3g} ms per step"
-                if m.oversub_mpi_latency
-                else ""
-            )
-        )
+        from proxies.calibrate.describe import oversubscribed_text
+
+        parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
     if m.op_overhead or m.wake:

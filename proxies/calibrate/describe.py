@@ -122,21 +122,7 @@ def summary(m: Machine, topo: Topology) -> None:
         size = next(iter(largest.values()))[0]
         print(f"  allreduce   {q(size, 'count')} per rank: {words}")
     if m.oversub is not None:
-        print(
-            f"  oversubscribed  latency {q(m.oversub.latency, 'time')}, bandwidth "
-            f"{q(m.oversub.bandwidth, 'bandwidth')}"
-            + (
-                f" (node {q(m.oversub_node_bandwidth, 'bandwidth')})"
-                if m.oversub_node_bandwidth
-                else ""
-            )
-            + (f", wake {q(m.oversub_wake, 'time')}" if m.oversub_wake else "")
-            + (
-                f", MPI's collectives {q(m.oversub_mpi_latency, 'time')} per step"
-                if m.oversub_mpi_latency
-                else ""
-            )
-        )
+        print(f"  oversubscribed  {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         print(
             f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
@@ -145,3 +131,21 @@ def summary(m: Machine, topo: Topology) -> None:
     print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
     missing = [u for u in m.unmeasured]
     print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
+
+
+def oversubscribed_text(m: Machine) -> str:
+    """The `oversubscribed` section in one line (calibrate's summary, the benchmark's)."""
+    q = format_quantity
+    parts = [
+        f"latency {q(m.oversub.latency, 'time')}",
+        f"bandwidth {q(m.oversub.bandwidth, 'bandwidth')}",
+    ]
+    if m.oversub_node_bandwidth:
+        parts.append(f"node {q(m.oversub_node_bandwidth, 'bandwidth')}")
+    if m.oversub_op_overhead:
+        parts.append(f"{q(m.oversub_op_overhead, 'time')} per op")
+    if m.oversub_wake:
+        parts.append(f"wake {q(m.oversub_wake, 'time')}")
+    if m.oversub_mpi_latency:
+        parts.append(f"MPI's collectives {q(m.oversub_mpi_latency, 'time')} per step")
+    return ", ".join(parts)
