@@ -418,13 +418,9 @@ def sleep_overshoot(comm, MPI, reps: int) -> float:
     over lengths and repetitions per rank, then over ranks."""
     import time
 
-    from proxies.core.waiting import FIRST_SLEEP
+    from proxies.core.waiting import sleep_lengths
 
-    lengths, d = [], FIRST_SLEEP
-    while d < 1e-3:
-        lengths.append(d)
-        d *= 2
-    lengths.append(1e-3)
+    lengths = sleep_lengths()
     comm.Barrier()
     over = []
     for _ in range(reps):

@@ -18,29 +18,40 @@ import time
 
 SPIN_FIRST = 50e-6  # seconds a yielding wait tests without sleeping
 FIRST_SLEEP = 2e-5  # then it sleeps this long, twice as long after each test, up to max_sleep
+MAX_SLEEP = 1e-3
 
 
-def yield_sees(x: float, wake: float = 0.0, max_sleep: float = 1e-3) -> float:
+def sleep_lengths(max_sleep: float = MAX_SLEEP) -> list[float]:
+    """A yielding wait's sleeps between tests until they stop growing: 20 us, 40 us ...,
+    then max_sleep (every later sleep is that long)."""
+    out, d = [], FIRST_SLEEP
+    while d < max_sleep:
+        out.append(d)
+        d *= 2
+    return [*out, max_sleep]
+
+
+def yield_sees(x: float, wake: float = 0.0, max_sleep: float = MAX_SLEEP) -> float:
     """When a yielding wait (Waiter._poll) that began at 0 sees what became ready at x: at
     once while it spins, then at its next test; each sleep lasts `wake` longer than asked
     (the kernel's timer slack and the wake-up, ~70 us on Linux). The predictor's model of
     a crowded run's waits."""
     if x <= SPIN_FIRST:
         return max(x, 0.0)
-    t, delay = SPIN_FIRST, FIRST_SLEEP
-    while delay < max_sleep:
+    *growing, longest = sleep_lengths(max_sleep)
+    t = SPIN_FIRST
+    for delay in growing:
         t += delay + wake
         if t >= x:
             return t
-        delay = min(2 * delay, max_sleep)
-    step = delay + wake
+    step = longest + wake
     return t + step * max(1, math.ceil((x - t) / step - 1e-12))
 
 
 class Waiter:
     """Blocking MPI waits ("spin", the library's own) or test-and-sleep ("yield")."""
 
-    def __init__(self, MPI, mode: str, max_sleep: float = 1e-3):
+    def __init__(self, MPI, mode: str, max_sleep: float = MAX_SLEEP):
         self.MPI, self.yielding, self.max_sleep = MPI, mode == "yield", max_sleep
 
     def _poll(self, ready):
