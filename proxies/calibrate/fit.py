@@ -80,10 +80,10 @@ def predictions(
     by every pair of ranks at once."""
     out = {}
     for key, points in measured.items():
-        alg, _, shape = key.partition("@")
+        alg = key.removesuffix(PAIRS)
         if alg == "mpi" and not with_mpi:
             continue
-        who = pairs(n) if shape else n
+        who = pairs(n) if key.endswith(PAIRS) else n
         out[key] = [
             collective_seconds(m, "allreduce", alg, who, max(size // 4, 1), "float32", rpn)
             for size, _ in points
@@ -163,9 +163,9 @@ def fit_oversubscribed(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Ma
     what no point-to-point message does. Same record as fit's."""
     params = [p for p in OVERSUB_PARAMS if _get(m, p)]
     before = {p: _get(m, p) for p in params}
-    ours = {k: v for k, v in measured.items() if k.partition("@")[0] != "mpi"}
-    theirs = {k: v for k, v in measured.items() if k.partition("@")[0] == "mpi"}
-    m, start, best = _search(m, params, ours or measured, n, rpn, with_mpi=not ours)
+    ours = {k: v for k, v in measured.items() if k.removesuffix(PAIRS) != "mpi"}
+    theirs = {k: v for k, v in measured.items() if k.removesuffix(PAIRS) == "mpi"}
+    m, _, _ = _search(m, params, ours or measured, n, rpn, with_mpi=not ours)
     m = _unbind(m, "oversub.bandwidth", "oversub_node_bandwidth")
     fitted = {p: _get(m, p) for p in params}
     if theirs:

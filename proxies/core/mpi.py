@@ -76,7 +76,8 @@ def _mapped_segments() -> list[str]:
         return []
     out = []
     for line in lines:
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
+        path = fields[5] if len(fields) == 6 else ""
         name = os.path.basename(path)
         live = path.startswith("/dev/shm/") and not path.endswith(" (deleted)")
         if live and name.startswith(SEGMENTS) and path not in out:
