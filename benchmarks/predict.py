@@ -68,6 +68,9 @@ SHARE = 0.10  # categories under this share of the iteration are not judged
 # warm-up still pays one-time costs (MPI's heap growing to its temporaries: cosmoflow's
 # 2-rank point 10 ms, then 6.3), which a steady-state prediction does not include.
 ITERS, WARMUP = 5, 2
+# a point ran in the machine's calibrated state when its reread probes before and after it
+# are within this factor of the calibrated one (states seen here: x1.3 and x2.6)
+STATE_BAND = 1.4
 
 
 def mpiexec() -> str:
@@ -210,9 +213,12 @@ def run_point(
     iters: int = 3,
     warmup: int = 1,
     run: Callable = execute,
+    probe: Callable[[], float | None] | None = None,
 ) -> dict:
     """Run one point with --machine and --json; the row: the point, status ("ok", or why it
-    failed), and when ok the measured, predicted and error fields (see compare)."""
+    failed), and when ok the measured, predicted and error fields (see compare). `probe`
+    (e.g. reread_probe): the machine's state just before and just after the run, kept as
+    the row's "reread" [before, after]."""
     row = {
         "proxy": point.proxy,
         "config": point.config,
@@ -225,12 +231,15 @@ def run_point(
         out = os.path.join(tmp, "out.json")
         cmd = command(point, machine, out, iters, warmup)
         row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
+        before = probe() if probe else None
         try:
             r = run(cmd, timeout=timeout)
         except (TimeoutError, AssertionError) as e:  # AssertionError: tests/launch.run's
             row["status"] = f"failed: {str(e).splitlines()[0]}"
             return row | {"wall_s": time.perf_counter() - t0}
         row["wall_s"] = time.perf_counter() - t0
+        if probe:
+            row["reread"] = [before, probe()]
         if r.returncode:
             row["status"] = f"failed: exit {r.returncode}: {last_line(r.stderr or r.stdout)}"
             return row
@@ -274,6 +283,30 @@ def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
         sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
 
 
+def reread_probe(timeout: float = 30) -> float | None:
+    """The machine's state now: python -m proxies.calibrate.probe's ratio (a 1 MiB allreduce
+    on the buffer the previous one wrote, over one on a cold buffer), None if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "proxies.calibrate.probe", "--json", out]
+        try:
+            if execute(cmd, timeout).returncode:
+                return None
+            with open(out) as f:
+                return float(json.load(f)["ratio"])
+        except (TimeoutError, OSError, ValueError, KeyError):
+            return None
+
+
+def steady(row: dict, calibrated: float | None, band: float = STATE_BAND) -> bool | None:
+    """Whether the row ran in the state the machine file was calibrated in: its probes
+    before and after within a factor `band` of the calibrated ratio (None: unknown)."""
+    got = row.get("reread")
+    if calibrated is None or not got or None in got:
+        return None
+    return all(1 / band <= x / calibrated <= band for x in got)
+
+
 def machine_summary(path: str) -> tuple[str, list[str]]:
     """A line of the machine file's key figures, and the placement options every point needs:
     a one-node file (no inter_node) puts all of a point's ranks on that node, as here."""
@@ -305,6 +338,8 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
         parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
+    if isinstance(m.calibration.get("reread"), dict):
+        parts.append(f"reread x{m.calibration['reread']['ratio']:.2g}")
     if m.op_overhead or m.wake:
         parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op, sleeps {m.wake * 1e6:.3g} us late")
     return " · ".join(parts), m.inter is None
@@ -314,7 +349,7 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0f}%"
 
 
-def print_table(rows: list[dict], target: float) -> None:
+def print_table(rows: list[dict], target: float, calibrated: float | None = None) -> None:
     head = ("proxy", "config", "ranks", "mode", "measured", "predicted", "error", "worst >=10%")
     w = max([len(r["config"]) for r in rows] + [6])
     print(
@@ -335,10 +370,25 @@ def print_table(rows: list[dict], target: float) -> None:
             else "-"
         )
         miss = "  *" if abs(r["error_pct"]) > target else ""
+        state = ""
+        if r.get("reread"):
+            state = "  reread " + "/".join("?" if x is None else f"{x:.2g}" for x in r["reread"])
+            state += " ~" if steady(r, calibrated) is False else ""
         print(
             f"{lead} {r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s "
-            f"{pct(r['error_pct']):>7}  {worst}{miss}"
+            f"{pct(r['error_pct']):>7}  {worst}{miss}{state}"
         )
+    ok = [r for r in rows if r["status"] == "ok"]
+    within = sum(abs(r["error_pct"]) <= target for r in ok)
+    line = f"# within {target:g}%: {within} of {len(ok)}"
+    calm = [r for r in ok if steady(r, calibrated)]
+    if calibrated is not None and any(r.get("reread") for r in ok):
+        inside = sum(abs(r["error_pct"]) <= target for r in calm)
+        line += (
+            f"; {inside} of the {len(calm)} run in the calibrated state (reread x{calibrated:.2g},"
+            f" before and after within x{STATE_BAND:g}; ~ marks the others)"
+        )
+    print(line)
 
 
 def print_details(rows: list[dict]) -> None:
@@ -428,6 +478,12 @@ def parser() -> argparse.ArgumentParser:
         default=25,
         help="error %% marked * above (25), in (0, 1000]",
     )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="skip the reread probe before and after each point (python -m "
+        "proxies.calibrate.probe, about a second each: which state the machine was in)",
+    )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
     return p
@@ -462,8 +518,13 @@ def main(argv: list[str] | None = None) -> int:
             calibrate(max(args.ranks), machine, args.quick, args.timeout)
         try:
             summary, one_node = machine_summary(machine)
+            from proxies.calibrate.probe import calibrated_ratio
+
+            calibrated = calibrated_ratio(machine)
         except Exception as e:  # a bad file: the proxies would each refuse it the same way
             sys.exit(f"predict: {e}")
+        probe = None if args.no_probe else reread_probe
+        timing = dict(timeout=args.timeout, iters=iters, warmup=warmup, probe=probe)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"# host: {cores} cores · machine file {machine}")
         print(f"# {summary}")
@@ -476,9 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = Point(proxy, config, pargs, ranks, extra=extra)
                 none = None
                 if "none" in modes or (fixed is None and "model" in modes):
-                    none = run_point(
-                        base, machine, timeout=args.timeout, iters=iters, warmup=warmup
-                    )
+                    none = run_point(base, machine, **timing)
                     if "none" in modes:
                         rows.append(none)
                         print_progress(none)
@@ -496,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print_progress(row)
                         continue
-                row = run_point(model, machine, timeout=args.timeout, iters=iters, warmup=warmup)
+                row = run_point(model, machine, **timing)
                 rows.append(row)
                 print_progress(row)
         mpi = next((r["mpi"] for r in rows if r.get("mpi")), "")
@@ -506,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{warmup} warm-up" + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
         )
         print(f"# * error above {args.target:g}%")
-        print_table(rows, args.target)
+        print_table(rows, args.target, calibrated)
         if args.details:
             print_details(rows)
         total = time.perf_counter() - started
@@ -517,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                 "host_cores": cores,
                 "machine": summary,
+                "calibrated_reread": calibrated,
                 "mpi": mpi,
                 "seconds": total,
                 "rows": rows,

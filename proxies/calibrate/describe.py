@@ -121,6 +121,8 @@ def summary(m: Machine, topo: Topology) -> None:
     if largest:
         size = next(iter(largest.values()))[0]
         print(f"  allreduce   {q(size, 'count')} per rank: {words}")
+    if "reread" in c:
+        print(f"  reread      {reread_text(c['reread'])}")
     if m.oversub is not None:
         print(f"  oversubscribed  {oversubscribed_text(m)}")
     if m.fresh_above is not None:
@@ -149,3 +151,11 @@ def oversubscribed_text(m: Machine) -> str:
     if m.oversub_mpi_latency:
         parts.append(f"MPI's collectives {q(m.oversub_mpi_latency, 'time')} per step")
     return ", ".join(parts)
+
+
+def reread_text(d: dict) -> str:
+    """calibrate's (or the probe's) re-read measurement in one line."""
+    return (
+        f"a {format_quantity(d['bytes'], 'count')} allreduce on the buffer the previous one "
+        f"wrote: {d['same_s'] * 1e6:.0f} us, x{d['ratio']:.2g} a cold buffer's"
+    )

@@ -197,12 +197,16 @@ MPICH_ALLREDUCE = ("rd", "rhd", "ring", "tree")
 
 def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
     """For each measured size of MPI's allreduce, the algorithm whose fitted prediction is
-    closest; consecutive sizes with the same answer merged, the last open-ended."""
+    closest; a size between two measured ones takes the answer of the nearer (on a log
+    scale: up to their geometric mean), consecutive answers merged, the last open-ended.
+    (Extending each answer down to the size below let a 2 MiB allreduce take 16 MiB's
+    answer over 1 MiB's: tree instead of ring on 2 ranks, 2x the time, when the two were
+    a near tie at 16 MiB.)"""
     from proxies.core.collectives import steps
 
     algs = [a for a in steps.algorithms("allreduce") if a in MPICH_ALLREDUCE]
-    table: list[tuple[int, str]] = []
-    for size, t in points:
+    chosen: list[tuple[int, str]] = []
+    for size, t in sorted(points):
         if t <= 0:
             continue
         count = max(size // 4, 1)
@@ -215,10 +219,12 @@ def mpi_table(m: Machine, points, n: int, rpn: int) -> list[tuple[int, str]]:
                 )
             ),
         )
+        chosen.append((size, alg))
+    table: list[tuple[int, str]] = []
+    for i, (size, alg) in enumerate(chosen):
+        upto = math.isqrt(size * chosen[i + 1][0]) if i + 1 < len(chosen) else ANY
         if table and table[-1][1] == alg:
-            table[-1] = (size, alg)
+            table[-1] = (upto, alg)
         else:
-            table.append((size, alg))
-    if table:
-        table[-1] = (ANY, table[-1][1])
+            table.append((upto, alg))
     return table

@@ -289,6 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
+    # -- the state of the caches between cores now (python -m proxies.calibrate.probe
+    # measures it again later: a run in another state is slower or faster than predicted)
+    reread = None
+    if active and pair:
+        reread = measure.reread(calm, MPI, reps=5 if quick else 15)
+    idle()
+    reread = comm.bcast(reread, root=0)
+    if reread is not None:
+        calibration["reread"] = {
+            k: sig(v) if isinstance(v, float) else v for k, v in reread.items()
+        }
     crowded_times = None
     if crowded:
         say(f"  allreduce algorithms on all {n} ranks, yielding waits ...", flush=True)

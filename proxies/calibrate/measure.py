@@ -289,6 +289,41 @@ def allreduce_measurements(
     return out
 
 
+# -- re-read: data MPI last wrote, still in the caches ---------------------------------------
+
+REREAD_BYTES = 1 << 20  # within every core's private cache, above MPICH's eager sizes
+
+
+def reread(comm, MPI, nbytes: int = REREAD_BYTES, reps: int = 15) -> dict:
+    """How long an in-place MPI_Allreduce of nbytes takes on the buffer the previous one
+    left its result in (the proxies' comm-only runs reduce the same buffers again and
+    again), against a cold buffer (a fresh arena slice): {bytes, same_s, cold_s, ratio}.
+    The two alternate call by call, so drift touches them alike; each call's time is the
+    slowest rank's, each figure the median. Where another core's cache holds the lines the
+    result was written to, reading them back costs more than reading memory: on a 2-vCPU
+    VM measured here the ratio was 0.7-1.2 for minutes, then 2.2 for minutes, as the host
+    placed the vCPUs (the proxies' same-buffer runs slowed with it)."""
+    arena = Arena(nbytes * (reps + 2), np.float32)
+    arena.data[...] = 0
+    same = np.zeros(max(1, nbytes // 4), np.float32)
+
+    def timed(buf) -> float:
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+
+    for _ in range(2):  # warm-up: MPI's paths, and the same buffer's result in the caches
+        timed(arena.take(nbytes))
+        timed(same)
+    cold, hot = [], []
+    for _ in range(reps):
+        cold.append(timed(arena.take(nbytes)))
+        hot.append(timed(same))
+    c, h = statistics.median(cold), statistics.median(hot)
+    return {"bytes": same.nbytes, "same_s": h, "cold_s": c, "ratio": h / c if c > 0 else 1.0}
+
+
 # -- fresh memory: MPI's temporaries above glibc's mmap threshold ----------------------------
 
 PAGE = 4096

@@ -53,6 +53,7 @@ ENTRY_POINTS = {
     "proxies.resnet": (lambda: _module("proxies.resnet.proxy").parser(), []),
     "proxies.collectives": (lambda: _module("proxies.collectives.bench").parser(), []),
     "proxies.calibrate": (lambda: _module("proxies.calibrate.main").parser(), ["-o", "m.yaml"]),
+    "proxies.calibrate.probe": (lambda: _module("proxies.calibrate.probe").parser(), []),
     "benchmarks/gpt2_step.py": (lambda: _bench("gpt2_step").parser(), []),
     "proxies.sweep": (lambda: _module("proxies.sweep.runner").parser(), ["s.yaml"]),
     "benchmarks/predict.py": (lambda: _bench("predict").parser(), []),

@@ -114,6 +114,28 @@ def test_compare_judges_big_categories_only():
     assert r["worst_category_error_pct"] == pytest.approx(100 * 0.05 / 0.95)
 
 
+def test_points_in_another_machine_state_are_told_apart(capsys):
+    """The reread probes before and after a point, against the calibrated ratio: a point
+    whose probes left the band ran in another state (~), and the summary counts the points
+    within the target among all and among those run in the calibrated state."""
+
+    def row(error, reread):
+        return {"proxy": "gpt3", "config": "c", "ranks": 2, "mode": "none", "tflops": None,
+                "status": "ok", "measured_s": 1.0, "predicted_s": 1 + error / 100,
+                "error_pct": error, "worst_category": None, "reread": reread}  # fmt: skip
+
+    rows = [row(5, [1.3, 1.2]), row(-60, [2.6, 2.7]), row(-40, [1.3, 2.6]), row(10, [None, 1.3])]
+    assert [bench.steady(r, 1.3) for r in rows] == [True, False, False, None]
+    assert bench.steady(rows[0], None) is None and bench.steady({"status": "ok"}, 1.3) is None
+    bench.print_table(rows, 25, 1.3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("reread 1.3/1.2") and out[2].endswith("*  reread 2.6/2.7 ~")
+    assert out[3].endswith("reread 1.3/2.6 ~") and out[4].endswith("reread ?/1.3")
+    assert out[5].startswith("# within 25%: 2 of 4; 1 of the 1 run in the calibrated state")
+    bench.print_table(rows[:1], 25)  # a machine file without the figure: no state count
+    assert capsys.readouterr().out.splitlines()[-1] == "# within 25%: 1 of 1"
+
+
 def test_configs_use_the_ranks():
     assert bench.configs("gpt3", 4)[1][:2] == ["2", "2"]  # 2 layers over 2 stages, tp 2
     assert "--global-batch" in bench.configs("cosmoflow", 4)[1]
@@ -161,6 +183,9 @@ def test_script_end_to_end(tmp_path):
     assert (none["mode"], model["mode"]) == ("none", "model")
     assert none["status"] == model["status"] == "ok"
     assert model["tflops"] > 0 and d["machine"].startswith("one node")
+    # the machine's state probed before and after each point (the file has no figure)
+    assert all(len(r["reread"]) == 2 and r["reread"][0] > 0 for r in (none, model))
+    assert d["calibrated_reread"] is None and "reread " in table
     assert d["command"].startswith("python benchmarks/predict.py --machine")
 
 

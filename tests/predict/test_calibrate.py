@@ -1,10 +1,12 @@
 """python -m proxies calibrate: the fit, refusals before measuring, and quick runs whose file
 loads back."""
 
+import json
 import math
 import os
 import shutil
 import sys
+from dataclasses import replace
 
 import pytest
 from launch import mpirun, run
@@ -58,6 +60,30 @@ def test_arena_hands_out_slices_the_caches_have_lost():
     assert b.__array_interface__["data"][0] - a.__array_interface__["data"][0] == 4096
 
 
+def test_mpi_table_takes_the_nearer_measured_size():
+    """A size between two measured ones is priced as the nearer one (on a log scale), not
+    as the larger: MPI's 2 MiB allreduce follows what it did at 1 MiB, not at 16 MiB."""
+    from proxies.calibrate.fit import mpi_table
+    from proxies.core.machine import ANY
+    from proxies.core.mpi_choice import mpi_algorithm
+    from proxies.core.prediction import collective_seconds
+
+    m = load(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "machines",
+                          "one-node.yaml"))  # fmt: skip
+
+    def t(alg, size):
+        return collective_seconds(m, "allreduce", alg, 2, size // 4, "float32", 2, library=True)
+
+    # measured: ring's times at 1 MiB and 64 MiB, tree's at 16 MiB
+    points = [(1 << 20, t("ring", 1 << 20)), (16 << 20, t("tree", 16 << 20)),
+              (64 << 20, t("ring", 64 << 20))]  # fmt: skip
+    table = mpi_table(m, points, 2, 2)
+    assert table == [(4 << 20, "ring"), (32 << 20, "tree"), (ANY, "ring")]
+    pick = replace(m, mpi={"allreduce": table})
+    assert [mpi_algorithm(pick, "allreduce", s) for s in (2 << 20, 8 << 20, 40 << 20)] == [
+        "ring", "tree", "ring"]  # fmt: skip
+
+
 def test_output_problems(tmp_path):
     assert output_problem(str(tmp_path / "m.yaml")) is None
     assert "no such directory" in output_problem("/nonexistent/dir/x.yaml")
@@ -97,6 +123,23 @@ def test_impossible_layouts_exit_2(tmp_path, ranks, args, words):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize(
+    "ranks,args,words",
+    [
+        (1, [], "needs 2 or more ranks"),
+        (2, ["--machine", "/nonexistent.yaml"], "/nonexistent.yaml: cannot read"),
+        (2, ["--json", "/nonexistent/dir/p.json"], "--json /nonexistent/dir/p.json"),
+    ],
+)
+def test_probe_refuses_before_measuring(ranks, args, words):
+    r = mpirun(ranks, "proxies.calibrate.probe", *args, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [f"proxies.calibrate.probe: error: {lines[0].split('error: ', 1)[1]}"]
+    assert words in lines[0] and r.stdout == ""
+
+
+@pytest.mark.mpi
 def test_quick_run_on_one_node(tmp_path):
     out = str(tmp_path / "m.yaml")
     r = mpirun(2, "proxies", "calibrate", "-o", out, "--quick", timeout=120)
@@ -126,6 +169,19 @@ def test_quick_run_on_one_node(tmp_path):
         assert m.oversub is None and "oversubscribed_allreduce" not in cal
     text = open(out).read()
     assert "# not measured: inter_node" in text and "inter_node:" not in text.split("calib")[0]
+    # the state of the caches between the two cores: the same buffer against a cold one
+    reread = cal["reread"]
+    assert reread["bytes"] == 1 << 20 and reread["same_s"] > 0 and reread["cold_s"] > 0
+    assert math.isclose(reread["ratio"], reread["same_s"] / reread["cold_s"], rel_tol=1e-3)
+    assert "  reread      a 1 MiB allreduce on the buffer the previous one wrote" in r.stdout
+    # ... and the probe measures it again, beside the file's figure
+    j = str(tmp_path / "probe.json")
+    p = mpirun(2, "proxies.calibrate.probe", "--machine", out, "--json", j, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"x{reread['ratio']:.2g} when {out} was calibrated" in p.stdout
+    got = json.load(open(j))
+    assert got["bytes"] == 1 << 20 and got["ratio"] > 0
+    assert got["calibrated_ratio"] == reread["ratio"]
 
 
 @pytest.mark.mpi
