@@ -68,8 +68,9 @@ SHARE = 0.10  # categories under this share of the iteration are not judged
 # warm-up still pays one-time costs (MPI's heap growing to its temporaries: cosmoflow's
 # 2-rank point 10 ms, then 6.3), which a steady-state prediction does not include.
 ITERS, WARMUP = 5, 2
-# a point ran in the machine's calibrated state when its reread probes before and after it
-# are within this factor of the calibrated one (states seen here: x1.3 and x2.6)
+# a point ran in the machine's calibrated state when every state figure its probes measured
+# before and after it is within this factor of the calibrated one (this VM's states differ
+# by 2x: a same-buffer allreduce x1.3 or x2.6 a cold one's, copies at 22 or 44 GB/s)
 STATE_BAND = 1.4
 
 
@@ -213,12 +214,12 @@ def run_point(
     iters: int = 3,
     warmup: int = 1,
     run: Callable = execute,
-    probe: Callable[[], float | None] | None = None,
+    probe: Callable[[], dict | None] | None = None,
 ) -> dict:
     """Run one point with --machine and --json; the row: the point, status ("ok", or why it
     failed), and when ok the measured, predicted and error fields (see compare). `probe`
-    (e.g. reread_probe): the machine's state just before and just after the run, kept as
-    the row's "reread" [before, after]."""
+    (e.g. state_probe): the machine's state figures just before and just after the run,
+    kept as the row's "state" [before, after]."""
     row = {
         "proxy": point.proxy,
         "config": point.config,
@@ -239,7 +240,7 @@ def run_point(
             return row | {"wall_s": time.perf_counter() - t0}
         row["wall_s"] = time.perf_counter() - t0
         if probe:
-            row["reread"] = [before, probe()]
+            row["state"] = [before, probe()]
         if r.returncode:
             row["status"] = f"failed: exit {r.returncode}: {last_line(r.stderr or r.stdout)}"
             return row
@@ -283,9 +284,9 @@ def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
         sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
 
 
-def reread_probe(timeout: float = 30) -> float | None:
-    """The machine's state now: python -m proxies.calibrate.probe's ratio (a 1 MiB allreduce
-    on the buffer the previous one wrote, over one on a cold buffer), None if it failed."""
+def state_probe(timeout: float = 30) -> dict | None:
+    """The machine's state figures now (python -m proxies.calibrate.probe on 2 ranks: a cold
+    and a same-buffer 1 MiB allreduce, a copy's rate), None if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
         cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "proxies.calibrate.probe", "--json", out]
@@ -293,18 +294,28 @@ def reread_probe(timeout: float = 30) -> float | None:
             if execute(cmd, timeout).returncode:
                 return None
             with open(out) as f:
-                return float(json.load(f)["ratio"])
-        except (TimeoutError, OSError, ValueError, KeyError):
+                return json.load(f)
+        except (TimeoutError, OSError, ValueError):
             return None
 
 
-def steady(row: dict, calibrated: float | None, band: float = STATE_BAND) -> bool | None:
-    """Whether the row ran in the state the machine file was calibrated in: its probes
-    before and after within a factor `band` of the calibrated ratio (None: unknown)."""
-    got = row.get("reread")
+def drift(row: dict, calibrated: dict | None) -> float | None:
+    """How far the row's machine state was from the calibrated one: the largest factor
+    (>= 1) of any state figure, before or after the run (None: unknown)."""
+    from proxies.calibrate.measure import worst_drift
+
+    got = row.get("state")
     if calibrated is None or not got or None in got:
         return None
-    return all(1 / band <= x / calibrated <= band for x in got)
+    worst = [worst_drift(d, calibrated) for d in got]
+    return None if None in worst else max(w[1] for w in worst)
+
+
+def steady(row: dict, calibrated: dict | None, band: float = STATE_BAND) -> bool | None:
+    """Whether the row ran in the state the machine file was calibrated in: every state
+    figure before and after within a factor `band` of the calibrated one (None: unknown)."""
+    d = drift(row, calibrated)
+    return None if d is None else d <= band
 
 
 def machine_summary(path: str) -> tuple[str, list[str]]:
@@ -338,8 +349,10 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
         parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
-    if isinstance(m.calibration.get("reread"), dict):
-        parts.append(f"reread x{m.calibration['reread']['ratio']:.2g}")
+    if isinstance(m.calibration.get("state"), dict):
+        from proxies.calibrate.describe import state_text
+
+        parts.append(f"state: {state_text(m.calibration['state'])}")
     if m.op_overhead or m.wake:
         parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op, sleeps {m.wake * 1e6:.3g} us late")
     return " · ".join(parts), m.inter is None
@@ -349,7 +362,7 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0f}%"
 
 
-def print_table(rows: list[dict], target: float, calibrated: float | None = None) -> None:
+def print_table(rows: list[dict], target: float, calibrated: dict | None = None) -> None:
     head = ("proxy", "config", "ranks", "mode", "measured", "predicted", "error", "worst >=10%")
     w = max([len(r["config"]) for r in rows] + [6])
     print(
@@ -370,10 +383,8 @@ def print_table(rows: list[dict], target: float, calibrated: float | None = None
             else "-"
         )
         miss = "  *" if abs(r["error_pct"]) > target else ""
-        state = ""
-        if r.get("reread"):
-            state = "  reread " + "/".join("?" if x is None else f"{x:.2g}" for x in r["reread"])
-            state += " ~" if steady(r, calibrated) is False else ""
+        d = drift(r, calibrated)
+        state = "" if d is None else f"  drift x{d:.2g}" + (" ~" if d > STATE_BAND else "")
         print(
             f"{lead} {r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s "
             f"{pct(r['error_pct']):>7}  {worst}{miss}{state}"
@@ -381,12 +392,13 @@ def print_table(rows: list[dict], target: float, calibrated: float | None = None
     ok = [r for r in rows if r["status"] == "ok"]
     within = sum(abs(r["error_pct"]) <= target for r in ok)
     line = f"# within {target:g}%: {within} of {len(ok)}"
-    calm = [r for r in ok if steady(r, calibrated)]
-    if calibrated is not None and any(r.get("reread") for r in ok):
+    known = [r for r in ok if steady(r, calibrated) is not None]
+    if known:
+        calm = [r for r in known if steady(r, calibrated)]
         inside = sum(abs(r["error_pct"]) <= target for r in calm)
         line += (
-            f"; {inside} of the {len(calm)} run in the calibrated state (reread x{calibrated:.2g},"
-            f" before and after within x{STATE_BAND:g}; ~ marks the others)"
+            f"; {inside} of the {len(calm)} run in the calibrated state (every state figure "
+            f"before and after within x{STATE_BAND:g} of the calibrated one; ~ marks the others)"
         )
     print(line)
 
@@ -481,8 +493,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-probe",
         action="store_true",
-        help="skip the reread probe before and after each point (python -m "
-        "proxies.calibrate.probe, about a second each: which state the machine was in)",
+        help="skip the state probe before and after each point (python -m "
+        "proxies.calibrate.probe, about a second each: how far the machine had drifted from "
+        "its calibration)",
     )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
@@ -518,12 +531,12 @@ def main(argv: list[str] | None = None) -> int:
             calibrate(max(args.ranks), machine, args.quick, args.timeout)
         try:
             summary, one_node = machine_summary(machine)
-            from proxies.calibrate.probe import calibrated_ratio
+            from proxies.calibrate.probe import calibrated_state
 
-            calibrated = calibrated_ratio(machine)
+            calibrated = calibrated_state(machine)
         except Exception as e:  # a bad file: the proxies would each refuse it the same way
             sys.exit(f"predict: {e}")
-        probe = None if args.no_probe else reread_probe
+        probe = None if args.no_probe else state_probe
         timing = dict(timeout=args.timeout, iters=iters, warmup=warmup, probe=probe)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"# host: {cores} cores · machine file {machine}")
@@ -576,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                 "host_cores": cores,
                 "machine": summary,
-                "calibrated_reread": calibrated,
+                "calibrated_state": calibrated,
                 "mpi": mpi,
                 "seconds": total,
                 "rows": rows,

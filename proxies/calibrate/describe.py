@@ -121,8 +121,8 @@ def summary(m: Machine, topo: Topology) -> None:
     if largest:
         size = next(iter(largest.values()))[0]
         print(f"  allreduce   {q(size, 'count')} per rank: {words}")
-    if "reread" in c:
-        print(f"  reread      {reread_text(c['reread'])}")
+    if "state" in c:
+        print(f"  state       {state_text(c['state'])}")
     if m.oversub is not None:
         print(f"  oversubscribed  {oversubscribed_text(m)}")
     if m.fresh_above is not None:
@@ -153,9 +153,21 @@ def oversubscribed_text(m: Machine) -> str:
     return ", ".join(parts)
 
 
-def reread_text(d: dict) -> str:
-    """calibrate's (or the probe's) re-read measurement in one line."""
-    return (
-        f"a {format_quantity(d['bytes'], 'count')} allreduce on the buffer the previous one "
-        f"wrote: {d['same_s'] * 1e6:.0f} us, x{d['ratio']:.2g} a cold buffer's"
+def state_text(d: dict, then: dict | None = None) -> str:
+    """calibrate's (or the probe's) state figures in one line; with `then` (the ones a
+    machine file was calibrated at), each beside its calibrated value."""
+    was = then or {}
+
+    def at(key: str, text: str, fmt) -> str:
+        return f"{text} ({fmt(was[key])} calibrated)" if key in was else text
+
+    us = lambda s: f"{s * 1e6:.0f} us"  # noqa: E731
+    gb = lambda b: f"{b / 1e9:.3g} GB/s"  # noqa: E731
+    x = lambda v: f"x{v:.2g}"  # noqa: E731
+    return ", ".join(
+        [
+            at("cold_s", f"1 MiB allreduce {us(d['cold_s'])} on a cold buffer", us),
+            at("reread", f"{x(d['reread'])} on the buffer the previous one wrote", x),
+            at("copy", f"copies {gb(d['copy'])} per rank", gb),
+        ]
     )

@@ -289,17 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
-    # -- the state of the caches between cores now (python -m proxies.calibrate.probe
-    # measures it again later: a run in another state is slower or faster than predicted)
-    reread = None
-    if active and pair:
-        reread = measure.reread(calm, MPI, reps=5 if quick else 15)
+    # -- the machine's state now, on the ping-pong's two ranks: python -m
+    # proxies.calibrate.probe measures the same later (a run in another state is slower or
+    # faster than predicted, whatever the model)
+    pa = first[pairs[0]]
+    pb = topo.node_of.index(pairs[0], pa + 1)
+    say(f"  the machine's state (calibrate.probe's figures), ranks {pa} and {pb} ...", flush=True)
+    duo = comm.Split(0 if r in (pa, pb) else MPI.UNDEFINED, r)
+    now = None
+    if duo != MPI.COMM_NULL:
+        now = measure.state(duo, MPI, reps=5 if quick else 15)
+        duo.Free()
     idle()
-    reread = comm.bcast(reread, root=0)
-    if reread is not None:
-        calibration["reread"] = {
-            k: sig(v) if isinstance(v, float) else v for k, v in reread.items()
-        }
+    now = comm.bcast(now, root=pa)
+    calibration["state"] = {k: sig(v) if isinstance(v, float) else v for k, v in now.items()}
     crowded_times = None
     if crowded:
         say(f"  allreduce algorithms on all {n} ranks, yielding waits ...", flush=True)

@@ -289,20 +289,34 @@ def allreduce_measurements(
     return out
 
 
-# -- re-read: data MPI last wrote, still in the caches ---------------------------------------
+# -- the machine's state: what drifts between a calibration and a run ----------------------
 
-REREAD_BYTES = 1 << 20  # within every core's private cache, above MPICH's eager sizes
+STATE_BYTES = 1 << 20  # the allreduce: within every core's private cache, above eager sizes
+STATE_COPY_BYTES = 64 << 20  # the copy: twice a large last-level cache, from memory
+# figure -> words, in the order the probe prints them
+STATE_FIGURES = {
+    "cold_s": "a cold 1 MiB allreduce",
+    "reread": "the same buffer's over a cold one's",
+    "copy": "copy rate per rank, all at once",
+}
 
 
-def reread(comm, MPI, nbytes: int = REREAD_BYTES, reps: int = 15) -> dict:
-    """How long an in-place MPI_Allreduce of nbytes takes on the buffer the previous one
-    left its result in (the proxies' comm-only runs reduce the same buffers again and
-    again), against a cold buffer (a fresh arena slice): {bytes, same_s, cold_s, ratio}.
-    The two alternate call by call, so drift touches them alike; each call's time is the
-    slowest rank's, each figure the median. Where another core's cache holds the lines the
-    result was written to, reading them back costs more than reading memory: on a 2-vCPU
-    VM measured here the ratio was 0.7-1.2 for minutes, then 2.2 for minutes, as the host
-    placed the vCPUs (the proxies' same-buffer runs slowed with it)."""
+def state(comm, MPI, reps: int = 15) -> dict:
+    """Figures of this machine that moved by 2x within minutes on the VM this was developed
+    on, measured in a second on the whole of `comm` (2 ranks or more):
+
+    - cold_s, same_s, reread: an in-place 1 MiB MPI_Allreduce on a cold buffer (a fresh
+      arena slice) and on the buffer the previous call left its result in (the proxies'
+      comm-only runs reduce the same buffers again and again), and same_s / cold_s. The two
+      alternate call by call, so drift touches them alike; each call's time is the slowest
+      rank's, each figure the median. Where another core's cache holds the lines the
+      result was written to, reading them back costs more than reading memory: there the
+      ratio sat at 1.3 for minutes, then at 2.6, as the host placed the vCPUs, and the
+      GPT-3 tensor-parallel comm-only point took 8.8 or 22.9 ms with it;
+    - copy: bytes read + written per second by a 64 MiB np.copyto on every rank at once
+      (compute.memory's measure), the median rank's: 22 or 44 GB/s there, independently.
+    """
+    nbytes = STATE_BYTES
     arena = Arena(nbytes * (reps + 2), np.float32)
     arena.data[...] = 0
     same = np.zeros(max(1, nbytes // 4), np.float32)
@@ -321,7 +335,34 @@ def reread(comm, MPI, nbytes: int = REREAD_BYTES, reps: int = 15) -> dict:
         cold.append(timed(arena.take(nbytes)))
         hot.append(timed(same))
     c, h = statistics.median(cold), statistics.median(hot)
-    return {"bytes": same.nbytes, "same_s": h, "cold_s": c, "ratio": h / c if c > 0 else 1.0}
+    del arena
+    copies = copy_rates(comm, MPI, comm.Barrier, STATE_COPY_BYTES, max(3, reps // 3))
+    return {
+        "bytes": same.nbytes,
+        "cold_s": c,
+        "same_s": h,
+        "reread": h / c if c > 0 else 1.0,
+        "copy": statistics.median(copies),
+    }
+
+
+def drift(now: dict, then: dict) -> dict[str, float]:
+    """now / then of each state figure both have (> 1: larger now)."""
+    return {
+        k: now[k] / then[k]
+        for k in STATE_FIGURES
+        if isinstance(now.get(k), (int, float)) and isinstance(then.get(k), (int, float))
+        and now[k] > 0 and then[k] > 0
+    }  # fmt: skip
+
+
+def worst_drift(now: dict, then: dict) -> tuple[str, float] | None:
+    """The state figure that moved most, as (figure, factor >= 1), or None."""
+    d = drift(now, then)
+    if not d:
+        return None
+    k = max(d, key=lambda k: max(d[k], 1 / d[k]))
+    return k, max(d[k], 1 / d[k])
 
 
 # -- fresh memory: MPI's temporaries above glibc's mmap threshold ----------------------------

@@ -115,24 +115,35 @@ def test_compare_judges_big_categories_only():
 
 
 def test_points_in_another_machine_state_are_told_apart(capsys):
-    """The reread probes before and after a point, against the calibrated ratio: a point
-    whose probes left the band ran in another state (~), and the summary counts the points
-    within the target among all and among those run in the calibrated state."""
+    """The state probes before and after a point, against the calibrated figures: a point
+    where any figure moved beyond the band ran in another state (~), and the summary counts
+    the points within the target among all and among those run in the calibrated state."""
+    cal = {"cold_s": 1e-4, "reread": 1.3, "copy": 40e9}
 
-    def row(error, reread):
+    def st(reread=1.3, copy=40e9):
+        return {"cold_s": 1e-4, "same_s": reread * 1e-4, "reread": reread, "copy": copy}
+
+    def row(error, state):
         return {"proxy": "gpt3", "config": "c", "ranks": 2, "mode": "none", "tflops": None,
                 "status": "ok", "measured_s": 1.0, "predicted_s": 1 + error / 100,
-                "error_pct": error, "worst_category": None, "reread": reread}  # fmt: skip
+                "error_pct": error, "worst_category": None, "state": state}  # fmt: skip
 
-    rows = [row(5, [1.3, 1.2]), row(-60, [2.6, 2.7]), row(-40, [1.3, 2.6]), row(10, [None, 1.3])]
-    assert [bench.steady(r, 1.3) for r in rows] == [True, False, False, None]
-    assert bench.steady(rows[0], None) is None and bench.steady({"status": "ok"}, 1.3) is None
-    bench.print_table(rows, 25, 1.3)
+    rows = [
+        row(5, [st(), st(1.2)]),
+        row(-60, [st(2.6), st(2.7)]),  # the same-buffer state moved
+        row(-40, [st(), st(copy=20e9)]),  # copies halved during the run
+        row(10, [None, st()]),  # the first probe failed: unknown
+    ]
+    assert [bench.steady(r, cal) for r in rows] == [True, False, False, None]
+    assert bench.drift(rows[1], cal) == pytest.approx(2.7 / 1.3)
+    assert bench.drift(rows[2], cal) == pytest.approx(2.0)
+    assert bench.steady(rows[0], None) is None and bench.steady({"status": "ok"}, cal) is None
+    bench.print_table(rows, 25, cal)
     out = capsys.readouterr().out.splitlines()
-    assert out[1].endswith("reread 1.3/1.2") and out[2].endswith("*  reread 2.6/2.7 ~")
-    assert out[3].endswith("reread 1.3/2.6 ~") and out[4].endswith("reread ?/1.3")
+    assert out[1].endswith("drift x1.1") and out[2].endswith("*  drift x2.1 ~")
+    assert out[3].endswith("*  drift x2 ~") and out[4].endswith("-")
     assert out[5].startswith("# within 25%: 2 of 4; 1 of the 1 run in the calibrated state")
-    bench.print_table(rows[:1], 25)  # a machine file without the figure: no state count
+    bench.print_table(rows[:1], 25)  # a machine file without the figures: no state count
     assert capsys.readouterr().out.splitlines()[-1] == "# within 25%: 1 of 1"
 
 
@@ -183,9 +194,10 @@ def test_script_end_to_end(tmp_path):
     assert (none["mode"], model["mode"]) == ("none", "model")
     assert none["status"] == model["status"] == "ok"
     assert model["tflops"] > 0 and d["machine"].startswith("one node")
-    # the machine's state probed before and after each point (the file has no figure)
-    assert all(len(r["reread"]) == 2 and r["reread"][0] > 0 for r in (none, model))
-    assert d["calibrated_reread"] is None and "reread " in table
+    # the machine's state probed before and after each point (the file has no figures)
+    for r in (none, model):
+        assert len(r["state"]) == 2 and all(s["cold_s"] > 0 and s["copy"] > 0 for s in r["state"])
+    assert d["calibrated_state"] is None and "drift" not in table
     assert d["command"].startswith("python benchmarks/predict.py --machine")
 
 

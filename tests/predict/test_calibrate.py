@@ -129,6 +129,7 @@ def test_impossible_layouts_exit_2(tmp_path, ranks, args, words):
         (1, [], "needs 2 or more ranks"),
         (2, ["--machine", "/nonexistent.yaml"], "/nonexistent.yaml: cannot read"),
         (2, ["--json", "/nonexistent/dir/p.json"], "--json /nonexistent/dir/p.json"),
+        (2, ["--machine", "configs/machines/10gbe.yaml"], "calibration.state: missing"),
     ],
 )
 def test_probe_refuses_before_measuring(ranks, args, words):
@@ -169,19 +170,22 @@ def test_quick_run_on_one_node(tmp_path):
         assert m.oversub is None and "oversubscribed_allreduce" not in cal
     text = open(out).read()
     assert "# not measured: inter_node" in text and "inter_node:" not in text.split("calib")[0]
-    # the state of the caches between the two cores: the same buffer against a cold one
-    reread = cal["reread"]
-    assert reread["bytes"] == 1 << 20 and reread["same_s"] > 0 and reread["cold_s"] > 0
-    assert math.isclose(reread["ratio"], reread["same_s"] / reread["cold_s"], rel_tol=1e-3)
-    assert "  reread      a 1 MiB allreduce on the buffer the previous one wrote" in r.stdout
-    # ... and the probe measures it again, beside the file's figure
+    # the machine's state figures, on the ping-pong's two ranks
+    state = cal["state"]
+    assert state["bytes"] == 1 << 20 and state["same_s"] > 0 and state["cold_s"] > 0
+    assert math.isclose(state["reread"], state["same_s"] / state["cold_s"], rel_tol=1e-3)
+    assert state["copy"] > 0
+    assert "  state       1 MiB allreduce " in r.stdout
+    # ... and the probe measures them again, beside the file's
     j = str(tmp_path / "probe.json")
     p = mpirun(2, "proxies.calibrate.probe", "--machine", out, "--json", j, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert f"x{reread['ratio']:.2g} when {out} was calibrated" in p.stdout
+    first, second = p.stdout.splitlines()
+    assert f"(x{state['reread']:.2g} calibrated)" in first and " GB/s calibrated)" in first
+    assert second.startswith("moved most: ") and f"from {out}'s" in second
     got = json.load(open(j))
-    assert got["bytes"] == 1 << 20 and got["ratio"] > 0
-    assert got["calibrated_ratio"] == reread["ratio"]
+    assert got["bytes"] == 1 << 20 and got["reread"] > 0 and got["calibrated"] == state
+    assert set(got["drift"]) == {"cold_s", "reread", "copy"}
 
 
 @pytest.mark.mpi
