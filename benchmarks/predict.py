@@ -302,7 +302,7 @@ def state_probe(timeout: float = 30) -> dict | None:
 def drift(row: dict, calibrated: dict | None) -> float | None:
     """How far the row's machine state was from the calibrated one: the largest factor
     (>= 1) of any state figure, before or after the run (None: unknown)."""
-    from proxies.calibrate.measure import worst_drift
+    from proxies.calibrate.state import worst_drift
 
     got = row.get("state")
     if calibrated is None or not got or None in got:

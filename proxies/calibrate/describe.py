@@ -26,8 +26,9 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
         f"Started from ping-pong ({span}, blocking Send/Recv, median round trip / 2, "
         "latency + bytes / bandwidth by least squares on the relative time; under "
         "calibration.{}), then latencies and bandwidths fitted so that the predictor "
-        "prices every measured allreduce algorithm right (calibration.fit: the figures "
-        "before and after, the residual of every algorithm and size)." + crowd
+        "prices the measured allreduce algorithms, the node exchange and MPI's all-to-all "
+        "right, each kind weighing alike (calibration.fit: the figures before and after, "
+        "the residual of every measurement)." + crowd
     )
     out = {
         "": f"Written by python -m proxies calibrate{' --quick' if quick else ''} on "
@@ -50,15 +51,19 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
         + "compute.device (NumPy runs on the CPU), switch (the topology is not probed)",
         "calibration": "raw measurements: [bytes, seconds, relative residual of the fit] per "
         "ping-pong size; allreduce: [bytes per rank, seconds per call, slowest rank, "
-        "median of calls] per algorithm of proxies.collectives",
+        "median of calls] per algorithm of proxies.collectives; alltoall: the same for "
+        "MPI's in-place all-to-all (the whole array per rank); state: what python -m "
+        "proxies.calibrate.probe measures again later (a cold and a same-buffer 1 MiB "
+        "allreduce, a copy's rate) to tell whether the machine is still in this state",
     }
     if m.oversub is not None:
         out["oversubscribed"] = (
             f"Ranks outnumber cores ({topo.ranks_per_node} per node on {topo.cores_per_node}): "
             "the figures above were measured with only as many ranks per node active as "
             "cores, the rest parked in a sleeping wait. These, which the predictor uses "
-            "instead for runs that crowd a node so, are fitted to allreduces on every rank "
-            "with yielding waits, MPI's own included (calibration.oversubscribed_fit); "
+            "instead for runs that crowd a node so, are fitted to allreduces, MPI's "
+            "all-to-all and the node exchange on every rank with yielding waits "
+            "(calibration.oversubscribed_fit); "
             "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
             "with yielding waits."
         )

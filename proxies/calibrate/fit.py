@@ -1,4 +1,5 @@
-"""Fit the machine's network figures to the measured allreduces, through the predictor.
+"""Fit the machine's network figures to measured collectives and messages, through the
+predictor.
 
 Ping-pong gives a pair's latency and bandwidth with every other rank idle. The proxies'
 runs do not look like that: every rank communicates at once, and where ranks outnumber
@@ -6,16 +7,24 @@ cores each message also waits for its receiver to be scheduled. The allreduce al
 measured on the whole allocation do look like the runs, and the predictor prices exactly
 their steps; so the figures that the predictor reads (latency and bandwidth per level,
 the node's and the interface's shared bandwidth) are fitted to make its predictions of
-those measurements right: least squares on log(predicted / measured) over every
-algorithm and size, by coordinate search in log space from the ping-pong figures. The
-residual of every point is kept in the file. Then each measured size of MPI's own
-allreduce is matched to the algorithm the fitted model predicts closest: the `mpi:` table.
+those measurements right: least squares on log(predicted / measured), by coordinate
+search in log space from the ping-pong figures. The allreduces alone would set the
+figures for data a collective keeps warm in the caches between its steps; the proxies'
+pipeline and halo messages and their all-to-alls move cold data, each block once. So the
+fit also answers to the node exchange (every pair of a node's ranks exchanging 16 MiB at
+once) and to MPI's in-place all-to-all, and each of these kinds of evidence (_family)
+weighs as much as all the allreduce algorithms together. (Fitted to allreduces alone, the
+figures priced a 16 MiB exchange at half its measured time; measured from one calibration,
+refitted both ways: 6-7 of 16 benchmark points within 25%, against 12.) The residual of
+every point is kept in the file. Then each measured size of MPI's own allreduce is
+matched to the algorithm the fitted model predicts closest: the `mpi:` table.
 
-Where ranks outnumber cores, calibrate fits twice: the figures above to allreduces on as
+Where ranks outnumber cores, calibrate fits twice: the figures above to measurements on as
 many ranks per node as cores (the rest parked in a sleeping wait), then the `oversubscribed`
-figures (latency, bandwidth, node bandwidth) to allreduces on every rank with the runs'
-yielding waits, MPI's own included (priced through the `mpi:` table, fresh temporaries and
-all): `fit_oversubscribed`.
+figures (latency, bandwidth, node bandwidth, wake) to our allreduces and the exchange on
+every rank with the runs' yielding waits, and mpi_latency to MPI's own allreduce and
+all-to-all (priced through the `mpi:` table, fresh temporaries and all):
+`fit_oversubscribed`.
 """
 
 from __future__ import annotations
@@ -66,6 +75,54 @@ def _unbind(m: Machine, flow: str, node: str) -> Machine:
 
 
 PAIRS = "@pairs"  # a measured key "ALG@pairs": ranks (0,1), (2,3) ... each ran ALG at once
+# a measured key "alltoall:mpi": MPI's own in-place all-to-all (the proxies' embedding and
+# expert exchanges), priced as the library runs it (the `mpi:` table or MPICH's default);
+# every other key is an allreduce algorithm
+ALLTOALL = "alltoall:"
+
+
+# a measured key "exchange": the pairs (0,1), (2,3) ... of the first node's ranks each
+# exchanging SIZE bytes both ways at once (Sendrecv, cold buffers): plain messages, as the
+# proxies' pipeline and halo traffic is
+EXCHANGE = "exchange"
+
+
+def _family(key: str) -> str:
+    """The kind of evidence a measured key is: each weighs alike in the fit, however many
+    points it has (7 allreduce algorithms at 5 sizes would drown one exchange)."""
+    if key == EXCHANGE:
+        return EXCHANGE
+    kind, alg = _kind_alg(key)
+    return f"{kind} {'mpi' if alg == 'mpi' else 'ours'}"
+
+
+def exchange_seconds(m: Machine, nbytes: int, ranks: int, rpn: int) -> float:
+    """Predicted seconds of `ranks` (even) ranks of node 0 exchanging nbytes both ways in
+    pairs (0,1), (2,3) ... at once."""
+    from proxies.core.network import Topology
+    from proxies.core.plan import P2P, Msg, Plan
+    from proxies.core.predict import predict
+
+    count = max(nbytes // 4, 1)
+
+    def plan(r: int) -> Plan:
+        msg = Msg(r ^ 1, 0, "x", 0, count)
+        return Plan(r, (P2P("sendrecv", (msg,), (msg,)),), {})
+
+    plans = [plan(r) for r in range(ranks - ranks % 2)]
+    return predict(plans, Topology(m, rpn), lambda r, o: 0.0, lambda k, b: "ring").time
+
+
+def _kind_alg(key: str) -> tuple[str, str]:
+    """(collective kind, algorithm) of a measured key."""
+    key = key.removesuffix(PAIRS)
+    return ("alltoall", key.removeprefix(ALLTOALL)) if key.startswith(ALLTOALL) else (
+        "allreduce", key)  # fmt: skip
+
+
+def _library(key: str) -> bool:
+    """Whether a measured key is a collective MPI runs itself (its own, or MPI's alltoall)."""
+    return _kind_alg(key)[1] == "mpi"
 
 
 def pairs(n: int) -> list[tuple[int, int]]:
@@ -80,27 +137,38 @@ def predictions(
     by every pair of ranks at once."""
     out = {}
     for key, points in measured.items():
-        alg = key.removesuffix(PAIRS)
-        if alg == "mpi" and not with_mpi:
+        if key == EXCHANGE:
+            out[key] = [exchange_seconds(m, size, rpn, rpn) for size, _ in points]
+            continue
+        kind, alg = _kind_alg(key)
+        if kind == "allreduce" and alg == "mpi" and not with_mpi:
             continue
         who = pairs(n) if key.endswith(PAIRS) else n
+        members = n if isinstance(who, int) else 2
         out[key] = [
-            collective_seconds(m, "allreduce", alg, who, max(size // 4, 1), "float32", rpn)
-            for size, _ in points
+            collective_seconds(m, kind, alg, who, _count(kind, b, members), "float32", rpn)
+            for b, _ in points
         ]
     return out
 
 
+def _count(kind: str, nbytes: int, members: int) -> int:
+    """float32 elements of a measured size: an all-to-all's, whole blocks per member."""
+    count = max(nbytes // 4, 1)
+    return max(count // members, 1) * members if kind == "alltoall" else count
+
+
 def _cost(m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False) -> float:
+    """The mean over families (_family) of the mean squared log(predicted / measured)."""
     pred = predictions(m, measured, n, rpn, with_mpi)
-    errs = [
-        math.log(p / t) ** 2
-        for alg, points in measured.items()
-        if alg in pred
-        for (_, t), p in zip(points, pred[alg], strict=True)
-        if t > 0 and p > 0
-    ]
-    return sum(errs) / max(len(errs), 1)
+    errs: dict[str, list[float]] = {}
+    for key, points in measured.items():
+        if key not in pred:
+            continue
+        for (_, t), p in zip(points, pred[key], strict=True):
+            if t > 0 and p > 0:
+                errs.setdefault(_family(key), []).append(math.log(p / t) ** 2)
+    return sum(sum(e) / len(e) for e in errs.values()) / max(len(errs), 1)
 
 
 def _search(m: Machine, params, measured, n, rpn, with_mpi=False) -> tuple[Machine, float, float]:
@@ -163,8 +231,8 @@ def fit_oversubscribed(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Ma
     what no point-to-point message does. Same record as fit's."""
     params = [p for p in OVERSUB_PARAMS if _get(m, p)]
     before = {p: _get(m, p) for p in params}
-    ours = {k: v for k, v in measured.items() if k.removesuffix(PAIRS) != "mpi"}
-    theirs = {k: v for k, v in measured.items() if k.removesuffix(PAIRS) == "mpi"}
+    ours = {k: v for k, v in measured.items() if not _library(k)}
+    theirs = {k: v for k, v in measured.items() if _library(k)}
     m, _, _ = _search(m, params, ours or measured, n, rpn, with_mpi=not ours)
     m = _unbind(m, "oversub.bandwidth", "oversub_node_bandwidth")
     fitted = {p: _get(m, p) for p in params}

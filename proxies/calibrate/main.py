@@ -4,8 +4,9 @@ Nodes come from MPI (COMM_TYPE_SHARED) unless --ranks-per-node emulates them; th
 point-to-point ping-pong within a node (and across nodes, with 2 or more), fitted to
 latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul, copy
 and add rates with a rank on every core of a node at once; each allreduce algorithm of
-proxies.collectives at a few sizes. Messages and allreduces use cold buffers, as the
-proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine.dump),
+proxies.collectives and MPI's in-place all-to-all at a few sizes; the machine's state
+(state.py, what calibrate.probe measures again later). Messages and collectives use cold
+buffers, as the proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine.dump),
 with what was measured how in comments and the raw points and fit residuals under
 `calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
 
@@ -24,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from proxies.calibrate import measure
+from proxies.calibrate import measure, state
 from proxies.calibrate.describe import comments, summary
 from proxies.core import cli, report
 from proxies.core.machine import Level, Machine, dumps
@@ -289,6 +290,23 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
+    # what else the fit answers to: MPI's in-place all-to-all, and the node exchange's
+    # plain messages (cold, both ways) measured above
+    from proxies.calibrate.fit import ALLTOALL, EXCHANGE
+
+    a2a_sizes = measure.QUICK_ALLTOALL_SIZES if quick else measure.ALLTOALL_SIZES
+    say(f"  MPI's in-place all-to-all on {calm_rpn * nodes} rank(s) ...", flush=True)
+    a2a = None
+    if active and pair:
+        a2a = measure.mpi_alltoall(calm, MPI, a2a_sizes, reps=reps, warmup=1 if quick else 2)
+    idle()
+    a2a = comm.bcast(a2a, root=0)
+    targets = dict(times)
+    if a2a:
+        calibration["alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
+        targets[f"{ALLTOALL}mpi"] = a2a
+    if calibration["node"]["flows"]:
+        targets[EXCHANGE] = [(calibration["node"]["bytes_each"], calibration["node"]["seconds"])]
     # -- the machine's state now, on the ping-pong's two ranks: python -m
     # proxies.calibrate.probe measures the same later (a run in another state is slower or
     # faster than predicted, whatever the model)
@@ -298,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     duo = comm.Split(0 if r in (pa, pb) else MPI.UNDEFINED, r)
     now = None
     if duo != MPI.COMM_NULL:
-        now = measure.state(duo, MPI, reps=5 if quick else 15)
+        now = state.state(duo, MPI, reps=5 if quick else 15)
         duo.Free()
     idle()
     now = comm.bcast(now, root=pa)
@@ -341,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         calibration["oversubscribed_allreduce"] = {
             k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
         }
+        say(f"  MPI's in-place all-to-all on all {n} ranks, yielding waits ...", flush=True)
+        a2a = measure.mpi_alltoall(
+            comm, MPI, a2a_sizes, reps=reps, warmup=1 if quick else 2,
+            wait=waiter.waitall, barrier=idle,
+        )  # fmt: skip
+        calibration["oversubscribed_alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
+        crowded_targets = {**crowded_times, f"{ALLTOALL}mpi": a2a}
+        over_node = calibration["oversubscribed_node"]
+        if over_node["flows"]:
+            crowded_targets[EXCHANGE] = [(over_node["bytes_each"], over_node["seconds"])]
 
     # -- MPI's temporaries: when fresh (page faults counted), and the fault rate
     say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)
@@ -428,11 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     if r == 0:
         from proxies.calibrate.fit import fit
 
-        say("  fitting the network figures to the allreduces through the predictor ...", flush=True)
-        m, record = fit(m, times, calm_rpn * nodes, calm_rpn)  # ping-pong alone if no times
+        say(
+            "  fitting the network figures to the allreduces, the node exchange and MPI's "
+            "all-to-all through the predictor ...",
+            flush=True,
+        )
+        m, record = fit(m, targets, calm_rpn * nodes, calm_rpn)  # ping-pong alone if none
         m.calibration["fit"] = fit_record(record, "from_pingpong")
         say(
-            f"  fit: rms of log(predicted / measured) over the allreduces "
+            f"  fit: rms of log(predicted / measured), the mean over kinds of measurement, "
             f"{record['rms_log_error_before']:.2f} (ping-pong figures) -> "
             f"{record['rms_log_error_after']:.2f}; MPI's allreduce follows "
             + (
@@ -449,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
             from proxies.calibrate.fit import fit_oversubscribed
 
-            say("  fitting the oversubscribed figures to the allreduces on every rank ...")
+            say("  fitting the oversubscribed figures to the measurements on every rank ...")
             m = replace(
                 m,
                 oversub=m.intra,
@@ -457,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 oversub_op_overhead=sig(crowded_overhead) if crowded_overhead else None,
                 oversub_wake=max(m.wake, 1e-5),  # the search scales it: not 0
             )
-            m, over = fit_oversubscribed(m, crowded_times, n, topo.ranks_per_node)
+            m, over = fit_oversubscribed(m, crowded_targets, n, topo.ranks_per_node)
             m = replace(
                 m,
                 oversub=Level(sig(m.oversub.latency), sig(m.oversub.bandwidth)),

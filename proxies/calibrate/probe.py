@@ -64,20 +64,20 @@ def main(argv: list[str] | None = None) -> int:
             if problem is None and then is None:
                 problem = f"{args.machine}: calibration.state: missing (calibrate it again)"
     mpi.agree(comm, problem, PROG)
-    from proxies.calibrate import measure
+    from proxies.calibrate import state
     from proxies.calibrate.describe import state_text
 
     duo = comm.Split(0 if r < 2 else MPI.UNDEFINED, r)
-    now = measure.state(duo, MPI) if r < 2 else None
+    now = state.state(duo, MPI) if r < 2 else None
     if duo != MPI.COMM_NULL:
         duo.Free()
     comm.Barrier()
     if r == 0:
         print(state_text(now, then), flush=True)
         if then is not None:
-            name, factor = measure.worst_drift(now, then)
+            name, factor = state.worst_drift(now, then)
             print(f"moved most: {name}, x{factor:.2g} from {args.machine}'s", flush=True)
-            now = now | {"calibrated": then, "drift": measure.drift(now, then)}
+            now = now | {"calibrated": then, "drift": state.drift(now, then)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(now, f, indent=1)

@@ -306,5 +306,8 @@ def predicted_seconds(
     def pick(kind: str, nbytes: int) -> str:
         return mpi_algorithm(machine, kind, nbytes) if alg == "mpi" else alg
 
+    # "mpi": the library runs it (its temporaries may be fresh memory, its steps on a
+    # crowded node advance inside the waits), as the proxies' predictions price it
+    pick.library = lambda kind: alg == "mpi"  # type: ignore[attr-defined]
     topo = Topology(machine, rpn, wait)
     return predict(plans, topo, lambda r, o: 0.0, pick, detail=detail).time

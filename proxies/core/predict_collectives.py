@@ -24,13 +24,14 @@ class Instance:
 
     __slots__ = (
         "key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then", "fault",
-        "library",
+        "copy_fault", "library",
     )  # fmt: skip
 
     def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
         self.key, self.members, self.op, self.alg = key, members, op, alg
         self.expected, self.folded = expected, folded
         self.fault = 0.0  # extra seconds per reduced byte (fresh temporaries)
+        self.copy_fault = 0.0  # extra seconds per copied byte (a fresh temporary copied back)
         self.library = False  # the MPI library runs it (not our point-to-point program)
         self.posts: dict[int, float] = {}  # simulated member -> post time
         self.ends: dict[int, float] = {}  # simulated member -> its end
@@ -58,7 +59,15 @@ class CollectiveSim:
                 key, members, op, alg, inside, inside < len(members)
             )
             inst.library = self.library(op.kind)
-            inst.fault = fault_seconds_per_byte(self.topo.machine, inst.library, op.nbytes)
+            machine = self.topo.machine
+            if op.kind == "alltoall" and alg == "inplace":
+                # MPICH's in-place all-to-all receives each block into a temporary of the
+                # block's size (Sendrecv_replace) and copies it back: a fresh one faults
+                inst.copy_fault = fault_seconds_per_byte(
+                    machine, inst.library, op.nbytes // len(members)
+                )
+            else:
+                inst.fault = fault_seconds_per_byte(machine, inst.library, op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
             raise PlanError(
                 f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "
@@ -150,7 +159,10 @@ class CollectiveSim:
                     return
                 pos += 1
             elif what == "reduce" or what == "copy":
-                per = 1 / self.reduce_bw + inst.fault if what == "reduce" else self.copy_s
+                if what == "reduce":
+                    per = 1 / self.reduce_bw + inst.fault
+                else:
+                    per = self.copy_s + inst.copy_fault
                 d = ev[1] * isz * per
                 pos += 1
                 if inst.op.req:
@@ -179,7 +191,8 @@ class CollectiveSim:
                 self._member_done(inst, q, t)
             return
         ph, members, topo = phases[k], inst.members, self.topo
-        work = ph.reduce_bytes * (1 / self.reduce_bw + inst.fault) + ph.copy_bytes * self.copy_s
+        work = ph.reduce_bytes * (1 / self.reduce_bw + inst.fault)
+        work += ph.copy_bytes * (self.copy_s + inst.copy_fault)
         tail = ph.latency + work
         flows = [(members[s], members[d], b) for s, d, b in ph.flows if b > 0]
         if inst.folded and flows:

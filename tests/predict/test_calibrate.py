@@ -155,6 +155,9 @@ def test_quick_run_on_one_node(tmp_path):
     assert set(cal["allreduce"]) == set(ALGORITHMS)
     assert all(len(rows) == 2 and rows[0][0] == 8 for rows in cal["allreduce"].values())
     assert len(cal["intra_node"]["points"]) == 7 and cal["intra_node"]["ranks"] == [0, 1]
+    # the fit also answers to MPI's in-place all-to-all and the node exchange's messages
+    assert [s for s, _ in cal["alltoall"]["mpi"]] == [64 << 10]
+    assert {"alltoall:mpi", "exchange", "ring"} <= set(cal["fit"]["residuals"])
     # MPI's temporaries: page faults per call at the quick sizes (16 and 48 MiB), the rate
     faulted = cal["fresh_memory"]["faulted_per_call"]
     assert [s for s, _ in faulted] == [16 << 20, 48 << 20] and cal["fresh_memory"]["fault_rate"] > 0
@@ -223,6 +226,10 @@ def test_quick_run_with_ranks_outnumbering_cores(tmp_path):
     assert m.oversub_node_bandwidth > 0 and m.oversub_op_overhead is not None
     cal = m.calibration
     assert set(cal["oversubscribed_allreduce"]) == set(ALGORITHMS) and cal["allreduce"] == {}
+    assert "alltoall" not in cal and [s for s, _ in cal["oversubscribed_alltoall"]["mpi"]] == [
+        64 << 10
+    ]
+    assert "alltoall:mpi" in cal["oversubscribed_fit"]["residuals"]
     assert (
         cal["oversubscribed_fit"]["rms_log_error_after"]
         <= cal["oversubscribed_fit"]["rms_log_error_before"]

@@ -200,6 +200,28 @@ def test_no_fresh_cost_below_the_threshold_nor_for_our_own_programs():
     ) == collective_seconds(m, "allreduce", "mpi", 2, big, ranks_per_node=2)
 
 
+@pytest.mark.parametrize("detail", ["steps", "coarse"])
+def test_in_place_alltoall_faults_its_block_sized_temporary(detail):
+    # MPICH's in-place all-to-all receives each block into a temporary of the block's size
+    # and copies it back: above the threshold every copied byte is faulted in first
+    m, plain = fresh_machine(), replace(fresh_machine(), fresh_above=None, fault_rate=None)
+    m, plain = (replace(x, memory_bandwidth=20e9) for x in (m, plain))
+    for count, faulted in ((32 << 20, True), (16 << 20, False)):  # 64 MiB blocks, 32 MiB
+        args = ("alltoall", "mpi", 2, count)
+        extra = collective_seconds(m, *args, ranks_per_node=2, detail=detail) - (
+            collective_seconds(plain, *args, ranks_per_node=2, detail=detail)
+        )
+        block = count * 4 / 2
+        assert math.isclose(extra, block / 2e9 if faulted else 0.0, abs_tol=1e-12), count
+    # the collectives benchmark prices "mpi" as the library's too
+    from proxies.collectives.bench_ops import predicted_seconds
+
+    bench = predicted_seconds(m, "alltoall", "mpi", 2, 32 << 20, "float32", 0, 2, detail, "spin")
+    assert math.isclose(
+        bench, collective_seconds(m, "alltoall", "mpi", 2, 32 << 20, ranks_per_node=2,
+                                  detail=detail), rel_tol=1e-12)  # fmt: skip
+
+
 # -- the engine's own cost per op ---------------------------------------------------------------
 
 
@@ -239,6 +261,50 @@ def test_fit_caps_a_flow_bandwidth_no_prediction_sees_at_the_nodes():
             a = collective_seconds(wild, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
             b = collective_seconds(capped, "allreduce", alg, n, 1 << 22, ranks_per_node=4)
             assert math.isclose(a, b, rel_tol=1e-12), (alg, n)
+
+
+def test_exchange_seconds_is_hand_arithmetic():
+    from proxies.calibrate.fit import exchange_seconds
+
+    # 2 and 4 ranks in pairs, each sending S and receiving S at once: latency + S over the
+    # port's bandwidth, or over the node's shared by every flow where that is lower
+    m = replace(machine(rpn=4, intra=10e9, lat=2e-6), cores_per_node=4, node_bandwidth=25e9)
+    size = 8 << 20
+    assert math.isclose(exchange_seconds(m, size, 2, 4), 2e-6 + size / 10e9, rel_tol=1e-9)
+    assert math.isclose(exchange_seconds(m, size, 4, 4), 2e-6 + size / (25e9 / 4), rel_tol=1e-9)
+
+
+def test_fit_weighs_each_kind_of_evidence_alike():
+    """Allreduces of 7 algorithms at 5 sizes, one exchange and MPI's all-to-all: each kind
+    counts as much in the fit, so a single exchange measured 2x slower than the allreduces
+    imply moves the fitted bandwidth as far as all the allreduces pull it back."""
+    from proxies.calibrate.fit import ALLTOALL, EXCHANGE, _cost, exchange_seconds, fit
+
+    truth = replace(machine(rpn=2, intra=20e9, lat=3e-6), cores_per_node=2, node_bandwidth=40e9)
+    sizes = [8, 64 << 10, 1 << 20, 16 << 20]
+    algs = ("ring", "rhd", "tree", "rd", "naive")
+    allreduces = {
+        a: [(s, collective_seconds(truth, "allreduce", a, 2, s // 4, ranks_per_node=2))
+            for s in sizes] for a in algs
+    }  # fmt: skip
+    size = 16 << 20
+    slow_exchange = {EXCHANGE: [(size, 2 * exchange_seconds(truth, size, 2, 2))]}
+    start = replace(truth, intra=Level(3e-6, 5e9), node_bandwidth=10e9)
+    alone, _ = fit(start, allreduces, 2, 2)
+    both, record = fit(start, allreduces | slow_exchange, 2, 2)
+    assert math.isclose(alone.intra.bandwidth, 20e9, rel_tol=0.1)
+    assert both.intra.bandwidth < 0.85 * alone.intra.bandwidth  # one point, half the weight
+    assert set(record["residuals"]) == set(algs) | {EXCHANGE}
+    # the cost: the mean over kinds of each kind's mean squared log error
+    one = {EXCHANGE: [(size, exchange_seconds(truth, size, 2, 2) * math.e)]}
+    assert math.isclose(_cost(truth, allreduces | one, 2, 2), 0.5, rel_tol=1e-9)
+
+    # MPI's all-to-all is a kind of its own, priced as the library runs it
+    def a2a_seconds(s):
+        return collective_seconds(truth, "alltoall", "mpi", 2, s // 4, ranks_per_node=2)
+
+    a2a = {f"{ALLTOALL}mpi": [(s, a2a_seconds(s)) for s in sizes[1:]]}
+    assert _cost(truth, allreduces | a2a, 2, 2) < 1e-20
 
 
 def test_slept_compute_lasts_wake_longer():
