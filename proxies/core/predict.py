@@ -111,13 +111,16 @@ class _Predictor(CollectiveSim):
             raise PlanError("more than one plan for a rank")
         self.topo, self.compute, self.algorithm = topo, compute, algorithm
         self.rep_of, self.keep_spans = rep_of, keep_spans
-        self.reduce_bw = topo.machine.reduce_bandwidth
-        # a collective's local copies (an all-to-all's blocks through scratch) run on the
-        # rank's core: bytes read + written at compute.memory (free when the file has none),
-        # slowed as compute is where ranks outnumber cores
+        # a collective's local work runs on the rank's core, slowed as compute is where
+        # ranks outnumber cores (`share`): its copies (an all-to-all's blocks through
+        # scratch) at compute.memory, bytes read + written (free when the file has none),
+        # its adds at compute.reduce, and page faults on fresh temporaries (predict_
+        # collectives). (gpt2 at 4 ranks on 2 cores, 147 MiB allreduces: -22 .. -26%
+        # with only copies slowed, +8 .. +12% with all three; one calibration, refitted.)
         mem, cores = topo.machine.memory_bandwidth, topo.machine.cores_per_node
-        share = max(1.0, topo.rpn / cores) if cores else 1.0
-        self.copy_s = 2.0 * share / mem if mem else 0.0  # seconds per byte copied
+        self.share = max(1.0, topo.rpn / cores) if cores else 1.0
+        self.copy_s = 2.0 * self.share / mem if mem else 0.0  # seconds per byte copied
+        self.reduce_bw = topo.machine.reduce_bandwidth / self.share
         self.op_overhead = topo.op_overhead  # the engine's own seconds per op
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)

@@ -63,11 +63,11 @@ class CollectiveSim:
             if op.kind == "alltoall" and alg == "inplace":
                 # MPICH's in-place all-to-all receives each block into a temporary of the
                 # block's size (Sendrecv_replace) and copies it back: a fresh one faults
-                inst.copy_fault = fault_seconds_per_byte(
+                inst.copy_fault = self.share * fault_seconds_per_byte(
                     machine, inst.library, op.nbytes // len(members)
                 )
             else:
-                inst.fault = fault_seconds_per_byte(machine, inst.library, op.nbytes)
+                inst.fault = self.share * fault_seconds_per_byte(machine, inst.library, op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):
             raise PlanError(
                 f"collective #{n} on group {op.group!r} does not match: {inst.op.kind} of "

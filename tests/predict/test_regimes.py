@@ -125,6 +125,22 @@ def test_oversubscribed_figures_apply_only_when_ranks_outnumber_cores():
     assert math.isclose(one_message(crowded_machine(1, False), nbytes), 1e-6 + nbytes / 10e9)
 
 
+@pytest.mark.parametrize("detail", ["steps", "coarse"])
+def test_a_crowded_core_slows_a_collectives_adds_and_faults_as_its_compute(detail):
+    # rhd on 2 ranks of 64 MiB: half the message reduced, half faulted in (fresh memory);
+    # 2 ranks on 1 core do that work at half the rate, as they compute and copy
+    def seconds(cores):
+        m = replace(fresh_machine(), cores_per_node=cores)
+        plans = [Plan(r, (Collective("allreduce", "w", "x", 16 << 20),), {"w": (0, 1)})
+                 for r in (0, 1)]  # fmt: skip
+        pick = chooser(m)
+        return predict(plans, Topology(m, 2, "spin"), lambda r, o: 0.0, pick, detail=detail).time
+
+    half = (16 << 20) * 4 / 2
+    work = half / 5e9 + half / 2e9  # the adds at compute.reduce, the faults at their rate
+    assert math.isclose(seconds(1) - seconds(2), work, rel_tol=1e-9)
+
+
 def test_yielding_waits_see_their_message_at_their_next_test():
     from proxies.core.waiting import yield_sees
 
