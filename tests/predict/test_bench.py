@@ -56,16 +56,22 @@ def test_model_point_takes_the_rate():
 
 @pytest.mark.slow
 def test_compute_at_one_tflops_is_the_dry_runs(tmp_path):
-    # no MPI: the predictor's dry run at 1 TFLOP/s; at 2 TFLOP/s the busiest rank computes half
+    # no MPI: the predictor's dry run at 1 TFLOP/s; at 2 and 4 TFLOP/s the busiest rank's
+    # FLOPs take half and a quarter of the time
     point = tiny_point("gpt3")
     c1 = bench.compute_at_one_tflops(point, MACHINE)
     out = tmp_path / "dry.json"
     cmd = [sys.executable, "-m", "proxies.gpt3", *point.args, "--compute", "model",
            "--device-tflops", "2", "--dry-run", "--world-size", "2", "--machine", MACHINE,
            "--ranks-per-node", "2", "--json", str(out)]  # fmt: skip
-    assert launch.run(cmd, timeout=60).returncode == 0
-    c2 = json.loads(out.read_text())["predicted_breakdown_max_s"]["compute"]
-    assert c1 > 0 and c2 == pytest.approx(c1 / 2)
+    c = {}
+    for tflops in ("2", "4"):
+        cmd[cmd.index("--device-tflops") + 1] = tflops
+        assert launch.run(cmd, timeout=60).returncode == 0
+        c[tflops] = json.loads(out.read_text())["predicted_breakdown_max_s"]["compute"]
+    # FLOPs / rate, plus what does not scale with the rate (each slept op's engine.wake)
+    assert c1 > c["2"] > c["4"] > 0
+    assert c1 - c["2"] == pytest.approx(2 * (c["2"] - c["4"]))
 
 
 @pytest.mark.mpi
@@ -194,10 +200,13 @@ def test_script_end_to_end(tmp_path):
     assert (none["mode"], model["mode"]) == ("none", "model")
     assert none["status"] == model["status"] == "ok"
     assert model["tflops"] > 0 and d["machine"].startswith("one node")
-    # the machine's state probed before and after each point (the file has no figures)
+    # the machine's state probed before and after each point, against the file's
     for r in (none, model):
         assert len(r["state"]) == 2 and all(s["cold_s"] > 0 and s["copy"] > 0 for s in r["state"])
-    assert d["calibrated_state"] is None and "drift" not in table
+    from proxies.core.machine import load
+
+    assert d["calibrated_state"] == load(MACHINE).calibration["state"]
+    assert table.count(" drift x") == 2 and "calibrated state" in table
     assert d["command"].startswith("python benchmarks/predict.py --machine")
 
 
