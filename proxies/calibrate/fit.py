@@ -76,14 +76,11 @@ def _unbind(m: Machine, flow: str, node: str) -> Machine:
 
 PAIRS = "@pairs"  # a measured key "ALG@pairs": ranks (0,1), (2,3) ... each ran ALG at once
 # a measured key "alltoall:mpi": MPI's own in-place all-to-all (the proxies' embedding and
-# expert exchanges), priced as the library runs it (the `mpi:` table or MPICH's default);
-# every other key is an allreduce algorithm
+# expert exchanges), priced as the library runs it (the `mpi:` table or MPICH's default)
 ALLTOALL = "alltoall:"
-
-
 # a measured key "exchange": the pairs (0,1), (2,3) ... of the first node's ranks each
 # exchanging SIZE bytes both ways at once (Sendrecv, cold buffers): plain messages, as the
-# proxies' pipeline and halo traffic is
+# proxies' pipeline and halo traffic is. Every other key is an allreduce algorithm.
 EXCHANGE = "exchange"
 
 

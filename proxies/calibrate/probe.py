@@ -6,8 +6,8 @@ Ranks 0 and 1 measure calibrate's `state` figures: an in-place 1 MiB MPI_Allredu
 cold buffer, the same on the buffer the previous call wrote (as a proxy's comm-only run
 does, again and again), and a 64 MiB copy on both at once. Cloud VMs move these: on the
 2-vCPU VM this project is developed on, the same-buffer ratio sat at 1.3 or at 2.6 for
-tens of seconds at a time (and GPT-3's tensor-parallel comm-only point at 8.8 or 22.9
-ms with it), and the copy rate at 22 or 44 GB/s, independently. A prediction made from a
+tens of seconds to minutes at a time (and GPT-3's tensor-parallel comm-only point at 8.8
+or 22.9 ms with it), and the copy rate at 22 or 44 GB/s, independently. A prediction made from a
 file calibrated in one state misses a run made in the other by as much, whatever the
 model. With --machine, each figure is printed beside the file's, and the line after it
 names the one that moved most.

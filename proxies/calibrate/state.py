@@ -31,10 +31,11 @@ def state(comm, MPI, reps: int = 15) -> dict:
       arena slice) and on the buffer the previous call left its result in (the proxies'
       comm-only runs reduce the same buffers again and again), and same_s / cold_s. The two
       alternate call by call, so drift touches them alike; each call's time is the slowest
-      rank's, each figure the median. Where another core's cache holds the lines the
-      result was written to, reading them back costs more than reading memory: there the
-      ratio sat at 1.3 for minutes, then at 2.6, as the host placed the vCPUs, and the
-      GPT-3 tensor-parallel comm-only point took 8.8 or 22.9 ms with it;
+      rank's, each figure the median. There the ratio sat at 1.3 for tens of seconds to
+      minutes, then at 2.6, and the GPT-3 tensor-parallel comm-only point took 8.8 or
+      22.9 ms with it (most likely the host placing the two vCPUs on cores that do or do
+      not share a cache: reading back lines another core wrote then costs more than
+      reading memory);
     - copy: bytes read + written per second by a 64 MiB np.copyto on every rank at once
       (compute.memory's measure), the median rank's: 22 or 44 GB/s there, independently.
     """
