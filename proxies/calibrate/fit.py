@@ -84,6 +84,12 @@ ALLTOALL = "alltoall:"
 EXCHANGE = "exchange"
 
 
+def exchange_target(record: dict) -> dict:
+    """calibrate's node-exchange record ({flows, bytes_each, seconds}) as a fit target, or
+    none where no pair took part."""
+    return {EXCHANGE: [(record["bytes_each"], record["seconds"])]} if record["flows"] else {}
+
+
 def _family(key: str) -> str:
     """The kind of evidence a measured key is: each weighs alike in the fit, however many
     points it has (7 allreduce algorithms at 5 sizes would drown one exchange)."""

@@ -202,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     # -- point to point within a node, then across nodes
-    a = first[pairs[0]]
-    b = topo.node_of.index(pairs[0], a + 1)
-    say(f"  intra-node ping-pong, ranks {a} and {b} ...", flush=True)
-    intra, calibration["intra_node"] = p2p(comm, MPI, idle, a, b, quick)
+    pa = first[pairs[0]]  # the first two ranks of a node: the ping-pong's, the state's
+    pb = topo.node_of.index(pairs[0], pa + 1)
+    say(f"  intra-node ping-pong, ranks {pa} and {pb} ...", flush=True)
+    intra, calibration["intra_node"] = p2p(comm, MPI, idle, pa, pb, quick)
     node_bw = None
     size = (1 if quick else 16) << 20
     say(f"  every rank of node 0 exchanging {size >> 20} MiB at once ...", flush=True)
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
     # what else the fit answers to: MPI's in-place all-to-all, and the node exchange's
     # plain messages (cold, both ways) measured above
-    from proxies.calibrate.fit import ALLTOALL, EXCHANGE
+    from proxies.calibrate.fit import ALLTOALL, exchange_target
 
     a2a_sizes = measure.QUICK_ALLTOALL_SIZES if quick else measure.ALLTOALL_SIZES
     say(f"  MPI's in-place all-to-all on {calm_rpn * nodes} rank(s) ...", flush=True)
@@ -305,13 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if a2a:
         calibration["alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
         targets[f"{ALLTOALL}mpi"] = a2a
-    if calibration["node"]["flows"]:
-        targets[EXCHANGE] = [(calibration["node"]["bytes_each"], calibration["node"]["seconds"])]
+    targets |= exchange_target(calibration["node"])
     # -- the machine's state now, on the ping-pong's two ranks: python -m
     # proxies.calibrate.probe measures the same later (a run in another state is slower or
     # faster than predicted, whatever the model)
-    pa = first[pairs[0]]
-    pb = topo.node_of.index(pairs[0], pa + 1)
     say(f"  the machine's state (calibrate.probe's figures), ranks {pa} and {pb} ...", flush=True)
     duo = comm.Split(0 if r in (pa, pb) else MPI.UNDEFINED, r)
     now = None
@@ -366,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         calibration["oversubscribed_alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
         crowded_targets = {**crowded_times, f"{ALLTOALL}mpi": a2a}
-        over_node = calibration["oversubscribed_node"]
-        if over_node["flows"]:
-            crowded_targets[EXCHANGE] = [(over_node["bytes_each"], over_node["seconds"])]
+        crowded_targets |= exchange_target(calibration["oversubscribed_node"])
 
     # -- MPI's temporaries: when fresh (page faults counted), and the fault rate
     say("  MPI allreduce page faults by size, fault rate of fresh memory ...", flush=True)

@@ -276,17 +276,29 @@ def allreduce_measurements(
             def call(buf, alg=alg):
                 allreduce(comm, buf, alg, wait=wait, ranks_per_node=ranks_per_node)
 
-            for _ in range(warmup):
-                call(arena.take(size))
-            times = []
-            for _ in range(reps):
-                buf = arena.take(size)  # a cold buffer, as a proxy's gradients are
-                barrier()
-                t0 = MPI.Wtime()
-                call(buf)
-                times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
-            out[alg].append((buf.nbytes, statistics.median(times)))
+            seconds = cold_calls(comm, MPI, call, arena, size, reps, warmup, barrier)
+            out[alg].append((max(1, size // 4) * 4, seconds))  # the slices' bytes
     return out
+
+
+def slowest(comm, MPI, call: Callable[[], object], barrier: Callable[[], None]) -> float:
+    """One call after a barrier, timed on every rank of comm: the slowest rank's seconds."""
+    barrier()
+    t0 = MPI.Wtime()
+    call()
+    return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+
+
+def cold_calls(comm, MPI, call, arena: Arena, nbytes: int, reps: int, warmup: int, barrier):
+    """call(buf) on a fresh arena slice of nbytes each time (cold, as a proxy's buffers
+    are): `warmup` untimed, then the median of `reps` timed by slowest()."""
+    for _ in range(warmup):
+        call(arena.take(nbytes))
+    times = []
+    for _ in range(reps):
+        buf = arena.take(nbytes)
+        times.append(slowest(comm, MPI, lambda buf=buf: call(buf), barrier))
+    return statistics.median(times)
 
 
 ALLTOALL_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]  # the whole array per rank
@@ -320,16 +332,8 @@ def mpi_alltoall(
             else:
                 wait([comm.Ialltoall(MPI.IN_PLACE, buf)])
 
-        for _ in range(warmup):
-            call(arena.take(count * 4))
-        times = []
-        for _ in range(reps):
-            buf = arena.take(count * 4)
-            barrier()
-            t0 = MPI.Wtime()
-            call(buf)
-            times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
-        out.append((count * 4, statistics.median(times)))
+        seconds = cold_calls(comm, MPI, call, arena, count * 4, reps, warmup, barrier)
+        out.append((count * 4, seconds))
     return out
 
 

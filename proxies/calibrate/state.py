@@ -11,7 +11,7 @@ import statistics
 
 import numpy as np
 
-from proxies.calibrate.measure import Arena, copy_rates
+from proxies.calibrate.measure import Arena, copy_rates, slowest
 
 STATE_BYTES = 1 << 20  # the allreduce: within every core's private cache, above eager sizes
 STATE_COPY_BYTES = 64 << 20  # the copy: twice a large last-level cache, from memory
@@ -45,10 +45,8 @@ def state(comm, MPI, reps: int = 15) -> dict:
     same = np.zeros(max(1, nbytes // 4), np.float32)
 
     def timed(buf) -> float:
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+        call = lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)  # noqa: E731
+        return slowest(comm, MPI, call, comm.Barrier)
 
     for _ in range(2):  # warm-up: MPI's paths, and the same buffer's result in the caches
         timed(arena.take(nbytes))
