@@ -44,7 +44,7 @@ from proxies.core.faults import DELAY
 from proxies.core.p2p_async import CAST, MAX_COUNT  # noqa: F401  (engine.MAX_COUNT)
 from proxies.core.p2p_async import pieces as _pieces
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
-from proxies.core.report import HIDDEN
+from proxies.core.report import HIDDEN, union_seconds
 from proxies.core.waiting import Progress, Waiter
 
 
@@ -76,16 +76,6 @@ class IterationTimes:
     )
     # Idle per peer waited for (world rank -> seconds); see waits.py.
     waited: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-
-
-def union_seconds(spans: list[tuple[float, float]]) -> float:
-    """Wall time covered by at least one span: concurrent requests are not counted twice."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def describe(op, rank: int | None = None) -> str:
@@ -209,7 +199,7 @@ class Engine:
             for piece in _pieces(into):
                 w0 = MPI.Wtime()
                 status = MPI.Status()
-                msg = self.waiter.probe(comm, m.peer, m.tag, status)
+                msg = self.waiter.probe(comm, m.peer, m.tag, status, self._others(locked=False))
                 w1 = MPI.Wtime()
                 idle += w1 - w0
                 t.waited[m.peer] += w1 - w0  # waiting for the sender
@@ -235,7 +225,7 @@ class Engine:
                 f"{op.name}: waiting for the receiver(s) to take {peers}",
                 tuple(sorted({m.peer for m in op.sends})),
             )
-        self.waiter.waitall(reqs)
+        self.waiter.waitall(reqs, self._others(locked=False))
         for out in staged:
             self.staging.release(out)
         t.seconds["idle"] += idle
@@ -416,7 +406,7 @@ class Engine:
         t0 = MPI.Wtime()
         cast0 = t.seconds.get(CAST, 0.0)
         buf, out, reqs, state = self._start(op, blocking=True, t=t)
-        self.waiter.waitall(reqs)
+        self.waiter.waitall(reqs, self._others(locked=False))
         t1 = MPI.Wtime()
         t.collectives.append((op.group, op.category, t1 - t0 - (t.seconds.get(CAST, 0.0) - cast0)))
         if self.trace is not None:
@@ -485,6 +475,23 @@ class Engine:
                 if done:
                     entry[5] = t1
 
+    def _others(self, locked: bool = True):
+        """What a yielding wait tests between its own tests: the other pending requests,
+        each with its own call (waiting._poll), noting when each completes, as the progress
+        thread does. None where nothing is pending, or where the thread may be testing
+        them (this rank does not hold its lock)."""
+        if not self.pending or (self.progress is not None and not locked):
+            return None
+        Testall, Wtime = self.MPI.Request.Testall, self.MPI.Wtime
+        entries = list(self.pending.values())
+
+        def test() -> None:
+            for entry in entries:
+                if entry[5] is None and Testall(entry[2]):
+                    entry[5] = Wtime()
+
+        return test
+
     def _wait(self, op: Wait, t: IterationTimes) -> None:
         MPI = self.MPI
         if op.req not in self.pending:
@@ -492,7 +499,7 @@ class Engine:
         with self._locked(t):
             coll, buf, reqs, state, started, done, out = self.pending.pop(op.req)
             t0 = MPI.Wtime()
-            self.waiter.waitall(reqs)
+            self.waiter.waitall(reqs, self._others())
             t1 = MPI.Wtime()
         # Exposed: the time blocked here. Hidden: from the start until it was seen complete
         # (or until this wait began), while this rank did other work.

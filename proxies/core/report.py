@@ -17,6 +17,18 @@ from proxies.core.tables import plural
 
 HIDDEN = "_hidden"  # communication that ran under other work: not part of the iteration's sum
 
+
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Wall time covered by at least one span: concurrent requests are not counted twice
+    (how a run books a category's hidden time, and the predictor alike)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 # The categories core makes, with their labels, in display order: compute and pipeline
 # send/recv (core/pipeline.py) and data-parallel gradient sync first, then the categories a
 # proxy adds (its Job's `categories`, its spec's), then data loading, the engine's wire casts,

@@ -54,32 +54,41 @@ class Waiter:
     def __init__(self, MPI, mode: str, max_sleep: float = MAX_SLEEP):
         self.MPI, self.yielding, self.max_sleep = MPI, mode == "yield", max_sleep
 
-    def _poll(self, ready):
+    def _poll(self, ready, others=None):
         # Test back to back for a moment first: MPI's non-blocking schedules advance only
         # inside a test, so a sleep between the rounds of a small collective costs a round.
+        # `others` tests the rank's other pending requests each round: one test call moves
+        # about one step of one pending schedule (MPICH: k allreduces pending under one
+        # Testall take k times one's rounds), so each needs its own call to keep moving.
         deadline = time.perf_counter() + SPIN_FIRST
         while time.perf_counter() < deadline:
             out = ready()
             if out:
                 return out
+            if others is not None:
+                others()
         delay = FIRST_SLEEP
         while True:
             out = ready()
             if out:
                 return out
+            if others is not None:
+                others()
             time.sleep(delay)
             delay = min(2 * delay, self.max_sleep)
 
-    def probe(self, comm, source: int, tag: int, status):
+    def probe(self, comm, source: int, tag: int, status, others=None):
         if not self.yielding:
             return comm.Mprobe(source, tag, status)
-        return self._poll(lambda: comm.Improbe(source, tag, status))
+        return self._poll(lambda: comm.Improbe(source, tag, status), others)
 
-    def waitall(self, reqs: list) -> None:
+    def waitall(self, reqs: list, others=None) -> None:
+        """Complete reqs; a yielding wait also calls `others` (tests of the rank's other
+        pending requests) between its tests."""
         if not self.yielding:
             self.MPI.Request.Waitall(reqs)
         elif reqs:
-            self._poll(lambda: self.MPI.Request.Testall(reqs))
+            self._poll(lambda: self.MPI.Request.Testall(reqs), others)
 
     def barrier(self, comm) -> None:
         if not self.yielding:
