@@ -53,7 +53,7 @@ from proxies.core.faults import DELAY
 from proxies.core.network import PORT_OUT, Flow, Flows, Topology
 from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait
 from proxies.core.predict_collectives import CollectiveSim, Instance
-from proxies.core.report import HIDDEN
+from proxies.core.report import HIDDEN, union_seconds
 from proxies.core.simulate import PlanError, op_name
 from proxies.core.waiting import yield_sees
 
@@ -140,6 +140,8 @@ class _Predictor(CollectiveSim):
         self.instances: dict[tuple, Instance] = {}
         self.blocking: list[tuple[int, Instance]] = []  # booked after the run
         self.reqs: dict[int, dict[str, list]] = {r: {} for r in self.plans}
+        # rank -> category -> (posted, done or wait began) of its non-blocking ops
+        self.hidden: dict[int, dict[str, list]] = {r: defaultdict(list) for r in self.plans}
         self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
         # A non-blocking collective's reductions and copies run on its rank's core (MPI
         # progresses it inside the engine's calls): where they fall in the rank's own work
@@ -182,6 +184,9 @@ class _Predictor(CollectiveSim):
                 f"op {self.pc[r]} ({op_name(self.plans[r].ops[self.pc[r]])}); the dry run "
                 f"without --machine names the cause"
             )
+        for r, spans in self.hidden.items():
+            for category, hid in spans.items():
+                self.book[r][category + HIDDEN] += union_seconds(hid)
         for r, inst in self.blocking:
             core = inst.core
             self.book[r][inst.op.category] += core
@@ -283,7 +288,8 @@ class _Predictor(CollectiveSim):
         op, posted, end, began = self.reqs[r].pop(req)
         book = self.book[r]
         book[op.category] += now - began  # exposed: blocked in the wait
-        book[op.category + HIDDEN] += max(0.0, min(end, began) - posted)
+        if min(end, began) > posted:  # booked as a run books it: the union (run)
+            self.hidden[r][op.category].append((posted, min(end, began)))
         if self.keep_spans:
             self.spans[r].append((posted, end, op, None))
             self.spans[r].append((began, now, op, 0.0))
@@ -373,8 +379,17 @@ class _Predictor(CollectiveSim):
         """A matched message: its level's latency, then its bytes as a flow, behind the
         messages from the same sender to the same receiver that are still moving (an MPI
         transport carries one pair's messages in order, through one queue or connection:
-        a small send posted after a large one arrives after it)."""
-        start = t + self.topo.alpha(msg.src, msg.dst, msg.library)
+        a small send posted after a large one arrives after it). A message joins that
+        queue after its latency: a collective's step that MPI has not yet taken holds
+        nothing back."""
+        alpha = self.topo.alpha(msg.src, msg.dst, msg.library)
+        start = t + alpha
+        if alpha > 0:  # its bytes join the pair's queue when the step is taken
+            self.at(start, lambda: self._enqueue(msg, start))
+        else:
+            self._enqueue(msg, start)
+
+    def _enqueue(self, msg: _Msg, start: float) -> None:
         pair = (msg.src, msg.dst)
         queue = self.wires.get(pair)
         if queue is not None:

@@ -12,7 +12,7 @@ import yaml
 from proxies.core.machine import Level, MachineError, dumps, load
 from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
-from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
+from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.predict import predict
 from proxies.core.prediction import collective_seconds
 
@@ -362,3 +362,45 @@ def test_mpi_latency_prices_the_library_collectives_steps_on_a_crowded_node():
         collective_seconds(plain, "allreduce", "mpi", 2, count, ranks_per_node=2, detail="steps"),
         collective_seconds(plain, "allreduce", "rd", 2, count, ranks_per_node=2, detail="steps"),
     )
+
+
+def test_a_step_mpi_has_not_taken_holds_back_no_message_on_its_pair():
+    # Rank 0 posts a non-blocking allreduce MPI runs (its one exchange waits mpi_latency,
+    # 2 ms, on the crowded node until MPI takes it), then sends 8 kB to rank 1 at once: the
+    # send moves in its own latency and bytes, not behind the step not yet taken.
+    m = replace(crowded_machine(1), oversub_mpi_latency=2e-3)
+    ar = Collective("allreduce", "w", "g", 2, "float32", req="a")
+    msg = lambda peer: Msg(peer, 1, "x", 0, 2_000)  # noqa: E731
+    gap = Compute("gap", seconds=1e-6)  # the allreduce's step is matched first
+    plans = [
+        Plan(0, (ar, gap, P2P("pp", sends=(msg(1),)), Wait("a")), {"w": (0, 1)}),
+        Plan(1, (ar, gap, P2P("pp", recvs=(msg(0),)), Wait("a")), {"w": (0, 1)}),
+    ]
+    pick = chooser(m, "mpi")
+    pick.library = lambda kind: True
+    pred = predict(plans, Topology(m, 2), lambda r, o: o.seconds, pick, keep_spans=True)
+    sent = [end for _, end, op, _ in pred.spans[1] if isinstance(op, P2P)]
+    assert sent and sent[0] < 1e-3  # 300 us latency + 8 kB at 2 GB/s, yielding: well under 2 ms
+    assert pred.time > 2e-3  # the allreduce itself still waits its step
+
+
+def test_hidden_time_is_the_union_of_the_pending_ops_spans_as_a_run_books_it():
+    # two allreduces of one category pending at once under a second of compute: a run
+    # books the wall time either was in flight (report.union_seconds), not their sum
+    m = machine(rpn=2, intra=10e9, lat=1e-6)
+    ops = (
+        Collective("allreduce", "w", "a", 1_000_000, "float32", category="dp", req="a"),
+        Collective("allreduce", "w", "b", 1_000_000, "float32", category="dp", req="b"),
+        Compute("forward", seconds=1.0),
+        Wait("a"),
+        Wait("b"),
+    )
+    plans = [Plan(r, ops, {"w": (0, 1)}) for r in (0, 1)]
+    pick = chooser(m, "mpi")  # MPI's, non-blocking (ours run to completion at their start)
+    pick.library = lambda kind: True
+    pred = predict(plans, Topology(m, 2), lambda r, o: o.seconds, pick, keep_spans=True)
+    spans = [(a, b) for a, b, op, idle in pred.spans[0] if idle is None]
+    assert len(spans) == 2 and all(a == 0.0 for a, _ in spans)
+    hidden = pred.breakdown[0]["dp_hidden"]
+    assert math.isclose(hidden, max(b for _, b in spans), rel_tol=1e-12)
+    assert hidden < sum(b - a for a, b in spans)
