@@ -301,7 +301,7 @@ def cold_calls(comm, MPI, call, arena: Arena, nbytes: int, reps: int, warmup: in
     return statistics.median(times)
 
 
-ALLTOALL_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]  # the whole array per rank
+ALLTOALL_SIZES = [64 << 10, 1 << 20, 16 << 20, 32 << 20, 64 << 20]  # the whole array per rank
 QUICK_ALLTOALL_SIZES = [64 << 10]
 
 
