@@ -143,6 +143,7 @@ class _Predictor(CollectiveSim):
         # rank -> category -> (posted, done or wait began) of its non-blocking ops
         self.hidden: dict[int, dict[str, list]] = {r: defaultdict(list) for r in self.plans}
         self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
+        self.blocked: dict[int, float] = {}  # rank -> since when it waits (any blocking op)
         # A non-blocking collective's reductions and copies run on its rank's core (MPI
         # progresses it inside the engine's calls): where they fall in the rank's own work
         # (compute, the engine) they delay it, charged when it next resumes
@@ -240,6 +241,7 @@ class _Predictor(CollectiveSim):
                 return
             if type(op) is P2P:
                 if not op.req:
+                    self.blocked[r] = t
                     self._p2p(r, op, t, lambda end: self._resume(r, end))
                     return
                 if op.req in self.reqs[r]:
@@ -250,6 +252,7 @@ class _Predictor(CollectiveSim):
                 continue
             if type(op) is Collective:
                 if not op.req:
+                    self.blocked[r] = t
                     self._join(r, op, t, lambda end: self._resume(r, end))
                     return
                 if op.req in self.reqs[r]:
@@ -265,6 +268,7 @@ class _Predictor(CollectiveSim):
                 entry[3] = t
                 if entry[2] is None:
                     self.waiting[r] = op.req
+                    self.blocked[r] = t
                     return
                 self._waited(r, op.req, t)
                 pc += 1
@@ -274,6 +278,7 @@ class _Predictor(CollectiveSim):
         self.finish[r] = t
 
     def _resume(self, r: int, t: float) -> None:
+        self.blocked.pop(r, None)
         self.pc[r] += 1
         self.at(t, lambda: self._advance(r))
 

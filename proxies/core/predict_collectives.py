@@ -143,10 +143,15 @@ class CollectiveSim:
                     if state is not None and state <= done:
                         del resume["wait"]
                         pos = resume.pop("pos")
-                        if inst.op.req:
+                        # MPI takes the next step inside a test: a blocking collective's
+                        # in its own wait; a non-blocking one's in whatever wait its rank
+                        # is in (each of the wait's rounds tests every pending request),
+                        # else at once (the progress thread, the tests between ops)
+                        since = self.blocked.get(r) if inst.op.req else inst.posts[r]
+                        if since is None:
                             self._steps(inst, r, i, pos, end, done)
-                        else:  # MPI takes the next step inside the wait's next test
-                            seen = self._seen(inst.posts[r], end)
+                        else:
+                            seen = self._seen(since, end)
                             self.at(seen, lambda: self._steps(inst, r, i, pos, seen, done))
 
                 src, dst = (r, peer) if what == "send" else (peer, r)
