@@ -332,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             ranks_per_node=rpn,
         )
         if n >= 4 and n % 2 == 0:
-            # the proxies' groups are often small (tensor-parallel pairs, pipeline pairs)
-            # and run at once: MPI's allreduce in every pair of ranks together
+            # the proxies' groups are often small (tensor-parallel pairs, pipeline pairs):
+            # MPI's allreduce in every pair of ranks together, kept with its residual (the
+            # fit leaves it out: all pairs woken at once is their slow case)
             from proxies.calibrate.fit import PAIRS
 
             say("  MPI's allreduce in every pair of ranks at once, yielding waits ...")
