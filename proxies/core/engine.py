@@ -45,7 +45,7 @@ from proxies.core.p2p_async import CAST, MAX_COUNT  # noqa: F401  (engine.MAX_CO
 from proxies.core.p2p_async import pieces as _pieces
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN, union_seconds
-from proxies.core.waiting import Progress, Waiter
+from proxies.core.waiting import Progress, Waiter, test_each
 
 
 class CheckError(RuntimeError):
@@ -482,15 +482,8 @@ class Engine:
         them (this rank does not hold its lock)."""
         if not self.pending or (self.progress is not None and not locked):
             return None
-        Testall, Wtime = self.MPI.Request.Testall, self.MPI.Wtime
-        entries = list(self.pending.values())
-
-        def test() -> None:
-            for entry in entries:
-                if entry[5] is None and Testall(entry[2]):
-                    entry[5] = Wtime()
-
-        return test
+        MPI, entries = self.MPI, list(self.pending.values())
+        return lambda: test_each(MPI, entries)
 
     def _wait(self, op: Wait, t: IterationTimes) -> None:
         MPI = self.MPI

@@ -97,6 +97,18 @@ class Waiter:
             self.waitall([comm.Ibarrier()])
 
 
+def test_each(MPI, entries) -> int:
+    """Test each incomplete entry of the engine's pending table with its own call (one MPI
+    test moves about one step of one pending schedule), noting when it completes (entry[5]);
+    the progress thread's round and a yielding wait's. Returns how many were incomplete."""
+    Testall, Wtime = MPI.Request.Testall, MPI.Wtime
+    waiting = [e for e in entries if e[5] is None]
+    for entry in waiting:
+        if Testall(entry[2]):
+            entry[5] = Wtime()
+    return len(waiting)
+
+
 class Progress:
     """A helper thread that tests the pending non-blocking collectives every `interval`
     seconds, as a GPU's communication stream or NCCL's proxy thread keeps them moving:
@@ -118,17 +130,12 @@ class Progress:
         self.thread.start()
 
     def _run(self) -> None:
-        Testall, Wtime = self.MPI.Request.Testall, self.MPI.Wtime
         while True:
             self.active.wait()
             with self.lock:
                 if self.closed:
                     return
-                waiting = [e for e in self.pending.values() if e[5] is None]
-                for entry in waiting:
-                    if Testall(entry[2]):
-                        entry[5] = Wtime()
-                if not waiting:
+                if not test_each(self.MPI, self.pending.values()):
                     self.active.clear()  # until the engine posts another
             time.sleep(self.interval)
 
