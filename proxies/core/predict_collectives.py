@@ -170,6 +170,8 @@ class CollectiveSim:
                     per = self.copy_s + inst.copy_fault
                 d = ev[1] * isz * per
                 pos += 1
+                if inst.library:
+                    self.local_until[r] = max(self.local_until[r], t + d)
                 if inst.op.req:
                     self._steal(r, t, d, inst.op.category)
                 if d > 0:

@@ -173,3 +173,29 @@ def test_messages_to_different_ranks_do_not_queue():
     # the large one goes to rank 2: rank 1's moves at once, beside it (sharing rank 0's port)
     ends = _behind(big_peer=2)
     assert math.isclose(ends["small"], 1e-6 + 8e3 / 5e9, rel_tol=1e-9)
+
+
+def test_nothing_moves_while_mpi_adds_for_a_collective_on_either_rank():
+    # 2 ranks post MPI's allreduce of 8 MB (ring: 4 MB each way, the add, 4 MB each way),
+    # then swap 8 kB at once: the swap queues behind the first 4 MB, then waits for the
+    # add, which MPI's progress runs on both ranks (measured: a 512 KiB halo after a 14 MiB
+    # allreduce on 2 ranks, 1.33 - 1.47 ms, alone 0.05)
+    from dataclasses import replace
+
+    from proxies.core.plan import Collective
+
+    m = replace(machine(rpn=2, intra=10e9, lat=1e-6), reduce_bandwidth=4e9)
+    pick = chooser(m, "ring")
+    pick.library = lambda kind: True  # MPI runs it (its progress does the add)
+    ar = Collective("allreduce", "w", "g", 2_000_000, "float32", req="a")
+    swap = lambda r: P2P(  # noqa: E731
+        "halo", sends=(Msg(1 - r, 1, "x", 0, 2_000),), recvs=(Msg(1 - r, 1, "y", 0, 2_000),)
+    )
+    gap = Compute("gap", seconds=1e-6)  # the allreduce's first step is on the wires first
+    plans = [Plan(r, (ar, gap, swap(r), Wait("a")), {"w": (0, 1)}) for r in (0, 1)]
+    pred = predict(plans, Topology(m), lambda r, o: o.seconds, pick, keep_spans=True)
+    halo = [end for _, end, op, _ in pred.spans[0] if isinstance(op, P2P)][0]
+    step, add = 1e-6 + 4e6 / 10e9, 4e6 / 4e9
+    assert math.isclose(halo, step + add + 8e3 / 10e9, rel_tol=1e-9)
+    # then the allreduce's second step, posted after the add (its latency covers the swap)
+    assert math.isclose(pred.time, step + add + 1e-6 + 4e6 / 10e9, rel_tol=1e-9)
