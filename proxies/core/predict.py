@@ -5,7 +5,9 @@ discrete-event simulation in global time order:
 - a Compute takes what `compute(rank, op)` says (FLOPs at a rate, a replayed time, 0);
 - a point-to-point message starts when both sides have posted it (rendezvous), costs its
   level's latency, then moves its bytes as a flow that shares links with every other flow
-  in flight (network.py: max-min fair share, a node's interface shared by its flows);
+  in flight (network.py: max-min fair share, a node's interface shared by its flows),
+  behind its pair's earlier messages and not while MPI on either rank adds or copies for
+  a collective it runs (_transfer, _move);
 - a collective runs the steps of the algorithm that executes it (proxies.core.collectives: the
   same description the executor reads), either message by message ("steps": each member
   starts its own steps when it posts, every message a flow) or phase by phase ("coarse":
@@ -30,7 +32,8 @@ books a measured run: compute; a P2P batch's time before its last partner posted
 the rest its category; a blocking collective's category is the shortest time any member
 spent in it (the last to arrive waits least), the rest of each member's time idle; a
 non-blocking collective's or P2P batch's exposed time is its Wait, and the time it ran under
-other work is <category>_hidden (not part of the sum): a non-blocking batch's messages are
+other work is <category>_hidden (not part of the sum; per category the union of its ops'
+spans, as a run books it): a non-blocking batch's messages are
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
 after its last op a rank is idle until the end. With the machine's engine.op_overhead
 (or oversubscribed.op_overhead on a crowded node) every op first costs that much on its

@@ -6,8 +6,9 @@ message a flow through _post, in order with the pair's other messages); in "coar
 once every member has posted, phase by phase: each phase's aggregated flows share the links,
 then the phase's latency and local work along its critical path. A non-blocking
 collective's local work (adds, copies, bytes received within a node) runs on its rank's
-core and delays the rank's own work it falls in (_steal); a blocking one's steps, with
-yielding waits, go on at the rank's next test (_seen).
+core and delays the rank's own work it falls in (_steal). With yielding waits a step goes
+on at a test (_seen): a blocking collective's in its own wait, a non-blocking one's in
+whatever wait its rank is in (at once while the rank computes).
 """
 
 from __future__ import annotations
