@@ -76,6 +76,15 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "threshold (calibration.fresh_memory.from_mpi); if that is noise, filling a new "
             "4 KiB-page mapping less filling mapped memory (fill_rate)."
         )
+    if m.reread is not None:
+        out["reuse"] = (
+            "reread: an in-place 1 MiB MPI_Allreduce on two ranks, measured on the buffer "
+            "the previous one wrote (calibration.state.same_s), over the model's price of it "
+            "(calibration.reuse): the predictor charges it on MPI's collectives over buffers a "
+            "comm-only or modelled run reuses within `cache` bytes (the largest cache's "
+            "share per CPU). It moves with the machine's state "
+            "(python -m proxies.calibrate.probe)."
+        )
     if m.op_overhead or m.wake:
         out["engine"] = (
             "op_overhead: the engine's own seconds per plan op (an iteration less its ops' "
@@ -134,6 +143,11 @@ def summary(m: Machine, topo: Topology) -> None:
         print(
             f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
             f"at {q(m.fault_rate, 'bandwidth')}"
+        )
+    if m.reread is not None:
+        print(
+            f"  reuse       MPI's collectives on a buffer reused within "
+            f"{q(m.reuse_cache, 'count')}: x{m.reread:.3g} per byte"
         )
     print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
     missing = [u for u in m.unmeasured]

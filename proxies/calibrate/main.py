@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
                 flush=True,
             )
+        m = with_reuse(m, now)
         summary(m, topo)
         # A minute of measuring is not lost to a full disk: save falls back and says where.
         text = dumps(m, comments(m, topo, quick))
@@ -511,6 +512,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {written}", flush=True)
     mpi.agree(comm, error, PROG)
     return 0
+
+
+def with_reuse(m: Machine, now: dict | None) -> Machine:
+    """The machine with its `reuse` figures: reread makes the fitted model's price of the
+    state's in-place MPI_Allreduce on two ranks of a node the time measured on the buffer
+    the previous one wrote (same_s), so a reused buffer's collective is priced from that
+    measurement (the cold price's error at that size included); cache: the largest
+    cache's share per CPU. Unchanged where the state was not measured."""
+    from dataclasses import replace
+
+    from proxies.core.prediction import collective_seconds
+
+    if not now or not now.get("same_s") or not now.get("bytes"):
+        return m
+    cold = collective_seconds(m, "allreduce", "mpi", 2, now["bytes"] // 4, ranks_per_node=2)
+    if cold <= 0:
+        return m
+    m = replace(m, reuse_cache=measure.cache_share(), reread=sig(now["same_s"] / cold))
+    m.calibration["reuse"] = {"predicted_cold_s": sig(cold), "measured_same_s": now["same_s"]}
+    return m
 
 
 def entry() -> None:

@@ -44,6 +44,33 @@ def cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def cache_share() -> int:
+    """The largest CPU cache's bytes per CPU that shares it (Linux sysfs: its size over its
+    shared_cpu_list; the whole cache where the list is unreadable)."""
+    import glob
+
+    best, share = 0, 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            text = open(f"{d}/size").read().strip().upper()
+            cpus = open(f"{d}/shared_cpu_list").read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if not digits.isdigit():
+            continue
+        n = 0
+        for part in cpus.split(","):
+            lo, _, hi = part.partition("-")
+            if lo.isdigit():
+                n += int(hi) - int(lo) + 1 if hi.isdigit() else 1
+        size = int(digits) * unit
+        if size > best:
+            best, share = size, size // max(n, 1)
+    return share or cache_bytes()
+
+
 class Arena:
     """Buffers for timed repetitions that are not in the caches: rep k of a size gets the
     k-th slice of a touched array of 2 x the largest cache (or of the size, if larger), so

@@ -25,7 +25,7 @@ class Instance:
 
     __slots__ = (
         "key", "members", "op", "alg", "expected", "folded", "posts", "ends", "then", "fault",
-        "copy_fault", "library",
+        "copy_fault", "library", "reread",
     )  # fmt: skip
 
     def __init__(self, key, members, op: Collective, alg: str, expected: int, folded: bool):
@@ -34,6 +34,7 @@ class Instance:
         self.fault = 0.0  # extra seconds per reduced byte (fresh temporaries)
         self.copy_fault = 0.0  # extra seconds per copied byte (a fresh temporary copied back)
         self.library = False  # the MPI library runs it (not our point-to-point program)
+        self.reread = 1.0  # cost per byte moved, added, copied over a cold buffer's (reuse)
         self.posts: dict[int, float] = {}  # simulated member -> post time
         self.ends: dict[int, float] = {}  # simulated member -> its end
         self.then: dict[int, Callable[[float], None]] = {}  # member -> what its end does
@@ -60,6 +61,8 @@ class CollectiveSim:
                 key, members, op, alg, inside, inside < len(members)
             )
             inst.library = self.library(op.kind)
+            if inst.library and self.pc[r] in self.reused.get(r, ()):
+                inst.reread = self.reread  # on a buffer its creator's rank reused
             machine = self.topo.machine
             if op.kind == "alltoall" and alg == "inplace":
                 # MPICH's in-place all-to-all receives each block into a temporary of the
@@ -156,7 +159,10 @@ class CollectiveSim:
                             self.at(seen, lambda: self._steps(inst, r, i, pos, seen, done))
 
                 src, dst = (r, peer) if what == "send" else (peer, r)
-                self._post(tag, src, dst, elements * isz, what == "send", t, arrived, members, inst)
+                nbytes = elements * isz
+                if inst.reread != 1.0:  # a reused buffer's bytes cost reread x (reuse)
+                    nbytes = round(nbytes * inst.reread)
+                self._post(tag, src, dst, nbytes, what == "send", t, arrived, members, inst)
                 pos += 1
             elif what == "wait":
                 need = set(ev[1])
@@ -166,9 +172,9 @@ class CollectiveSim:
                 pos += 1
             elif what == "reduce" or what == "copy":
                 if what == "reduce":
-                    per = 1 / self.reduce_bw + inst.fault
+                    per = inst.reread / self.reduce_bw + inst.fault
                 else:
-                    per = self.copy_s + inst.copy_fault
+                    per = inst.reread * self.copy_s + inst.copy_fault
                 d = ev[1] * isz * per
                 pos += 1
                 if inst.library:

@@ -124,6 +124,9 @@ def run_prediction(
     cost, how = compute_cost(args, machine, replay)
     cost, how = faults.perturbed_cost(perturbed, cost, how, args.warmup)
     algorithm = chooser(machine, args.allreduce)
+    buffers = None
+    if getattr(args, "compute", None) in ("none", "model"):  # the runtime's reused buffers
+        buffers = job.buffers or (lambda plan: lambda name, mb: (name, mb))
     try:
         pred = predict(
             simulated,
@@ -134,6 +137,7 @@ def run_prediction(
             rep_of=rep_of,
             keep_spans=keep_spans,
             slow_links=perturbed.links if perturbed is not None else None,
+            buffers=buffers,
         )
     except ValueError as e:  # a topology the machine cannot hold
         raise cli.UsageError(str(e)) from None

@@ -68,6 +68,11 @@ class Job:
     # --compute mode: {part: bytes} (core/memory.py adds the shared parts); None: no
     # estimate, never refused. Read it through memory_estimate.
     memory: Callable[[int, Plan], dict[str, int]] | None = None
+    # (plan) -> (buffer name, micro-batch) -> the buffer the runtime uses for it with
+    # --compute none and model, where runtimes reuse a few buffers (the predictor prices
+    # MPI's collectives on reused buffers with the machine's `reuse` figures); None: one
+    # buffer per (name, micro-batch).
+    buffers: Callable[[Plan], Callable[[Any, int], Any]] | None = None
     # The timing categories this proxy adds: label of each in display order, and short
     # column headers (its spec's tables, core/spec.py); core/report.py has the shared ones.
     categories: Mapping[str, str] = field(default_factory=dict)

@@ -28,7 +28,7 @@ from proxies.transformer.fsdp import fsdp_text
 from proxies.transformer.memory import estimate as estimate_memory
 from proxies.transformer.options import DEFAULT_BUCKET_MB, split_layers
 from proxies.transformer.plan import gpt2_plan, gpt3_plans
-from proxies.transformer.runtime import Runtime
+from proxies.transformer.runtime import BufferPool, Runtime
 from proxies.transformer.setup import GPT2_ORDER, Setup
 
 PROG = "proxies.gpt2"
@@ -281,6 +281,7 @@ def make_job(args, world: int) -> runner.Job:
         memory=lambda rank, plan: estimate_memory(
             S, grid.coords(rank)["pp"], grid.coords(rank)["dp"], args.compute, plan
         ),
+        buffers=lambda plan: BufferPool(plan, S.inflight).slot,  # compute none/model
         categories=SPEC.categories,
         short=SPEC.short,
     )

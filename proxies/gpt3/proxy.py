@@ -445,6 +445,7 @@ def transformer_job(
         memory=lambda rank, plan: estimate_memory(
             S, grid.coords(rank)["pp"], 0, args.compute, plan
         ),
+        buffers=lambda plan: BufferPool(plan, S.inflight).slot,  # compute none/model
         categories=spec.categories,
         short=spec.short,
         **hooks,

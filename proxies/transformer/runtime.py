@@ -77,8 +77,12 @@ class BufferPool:
     def nbytes(self) -> int:
         return 4 * sum(self.size.values())
 
+    def slot(self, name, mb: int) -> str:
+        """The array a message or collective on (name, micro-batch) uses."""
+        return name if name in self.p2p else self.slot_of[(name, mb)]
+
     def get(self, name, mb: int, count: int | None = None) -> np.ndarray:
-        slot = name if name in self.p2p else self.slot_of[(name, mb)]
+        slot = self.slot(name, mb)
         arr = self.arrays.get(slot)
         if arr is None:  # zeros: calloc'd, pages appear as messages touch them
             arr = self.arrays[slot] = np.zeros(self.size[slot], dtype=np.float32)
