@@ -40,7 +40,8 @@ The table: measured iteration (median of the timed iterations, each the slowest 
 predicted, their relative error, and among the categories that take at least 10% of the
 measured iteration (mean over ranks, median over iterations; overlapped `_hidden` time
 excluded, it is not part of the iteration) the one the prediction misses most. --details
-adds every category.
+adds every category. --restate predicts each point in the state the probe finds just before
+it (the file's `reuse.reread` from that probe), the rest of the file as calibrated.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,11 +139,15 @@ def mode_args(point: Point) -> list[str]:
     return out
 
 
-def command(point: Point, machine: str, json_path: str, iters: int, warmup: int) -> list[str]:
+def command(
+    point: Point, machine: str, json_path: str, iters: int, warmup: int, sets: Sequence[str] = ()
+) -> list[str]:
+    """The point's run; `sets`: --machine-set KEY=VALUE overrides of the file."""
+    overrides = [x for kv in sets for x in ("--machine-set", kv)]
     return [
         mpiexec(), "-n", str(point.ranks), sys.executable, "-m", f"proxies.{point.proxy}",
         *point.args, *mode_args(point), "--iters", str(iters), "--warmup", str(warmup),
-        "--machine", machine, *point.extra, "--quiet", "--json", json_path,
+        "--machine", machine, *overrides, *point.extra, "--quiet", "--json", json_path,
     ]  # fmt: skip
 
 
@@ -215,11 +220,15 @@ def run_point(
     warmup: int = 1,
     run: Callable = execute,
     probe: Callable[[], dict | None] | None = None,
+    restate: float | None = None,
 ) -> dict:
     """Run one point with --machine and --json; the row: the point, status ("ok", or why it
     failed), and when ok the measured, predicted and error fields (see compare). `probe`
     (e.g. state_probe): the machine's state figures just before and just after the run,
-    kept as the row's "state" [before, after]."""
+    kept as the row's "state" [before, after]. `restate` (with probe): the file's predicted
+    cold price of the probe's allreduce (calibration.reuse.predicted_cold_s); the point is
+    predicted with reuse.reread = the probe's same-buffer time before it over that, kept as
+    the row's "restated_reread"."""
     row = {
         "proxy": point.proxy,
         "config": point.config,
@@ -230,9 +239,13 @@ def run_point(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        cmd = command(point, machine, out, iters, warmup)
-        row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
         before = probe() if probe else None
+        sets = []
+        if restate and before and before.get("same_s"):
+            row["restated_reread"] = float(f"{before['same_s'] / restate:.4g}")
+            sets.append(f"reuse.reread={row['restated_reread']}")
+        cmd = command(point, machine, out, iters, warmup, sets)
+        row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
         try:
             r = run(cmd, timeout=timeout)
         except (TimeoutError, AssertionError) as e:  # AssertionError: tests/launch.run's
@@ -282,6 +295,19 @@ def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
         sys.exit(f"predict: calibrate {e}")
     if r.returncode:
         sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
+
+
+def restated_cold(machine: str) -> float:
+    """The file's predicted seconds of the state's cold allreduce (calibration.reuse), which
+    --restate divides the probe's same-buffer time by; a one-line error where it has none."""
+    from proxies.core.machine import load
+
+    cold = (load(machine).calibration.get("reuse") or {}).get("predicted_cold_s")
+    if not isinstance(cold, (int, float)) or cold <= 0:
+        raise ValueError(
+            f"--restate: {machine} has no calibration.reuse.predicted_cold_s (calibrate again)"
+        )
+    return float(cold)
 
 
 def state_probe(timeout: float = 30) -> dict | None:
@@ -497,6 +523,13 @@ def parser() -> argparse.ArgumentParser:
         "proxies.calibrate.probe, about a second each: how far the machine had drifted from "
         "its calibration)",
     )
+    p.add_argument(
+        "--restate",
+        action="store_true",
+        help="predict each point in the state the probe finds just before it: reuse.reread "
+        "from the probe's same-buffer allreduce over the file's cold price of it "
+        "(calibration.reuse); the rest of the file as calibrated",
+    )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
     return p
@@ -522,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(cli.output_problem(args.json))  # before the points, not after them
     if args.machine and not os.path.isfile(args.machine):
         p.error(f"--machine: no such file: {args.machine}")
+    if args.restate and args.no_probe:
+        p.error("--restate needs the state probe: not with --no-probe")
     iters, warmup = (1, 1) if args.quick else (ITERS, WARMUP)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -534,13 +569,22 @@ def main(argv: list[str] | None = None) -> int:
             from proxies.calibrate.probe import calibrated_state
 
             calibrated = calibrated_state(machine)
+            restate = restated_cold(machine) if args.restate else None
         except Exception as e:  # a bad file: the proxies would each refuse it the same way
-            sys.exit(f"predict: {e}")
+            print(f"predict: {e}", file=sys.stderr)
+            return 2
         probe = None if args.no_probe else state_probe
-        timing = dict(timeout=args.timeout, iters=iters, warmup=warmup, probe=probe)
+        timing = dict(
+            timeout=args.timeout, iters=iters, warmup=warmup, probe=probe, restate=restate
+        )
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"# host: {cores} cores · machine file {machine}")
         print(f"# {summary}")
+        if restate:
+            print(
+                f"# --restate: each point with reuse.reread = the probe's same-buffer 1 MiB "
+                f"allreduce before it / {restate * 1e6:.0f} us (the file's cold price of it)"
+            )
         rows = []
         for proxy in proxies:
             for ranks in args.ranks:

@@ -174,6 +174,8 @@ def test_configs_use_the_ranks():
         (["--tflops", "fast"], "--tflops: expected a positive number or auto"),
         (["--machine", "/nonexistent.yaml"], "--machine: no such file"),
         (["--machine", MACHINE, "--calibrate"], "not allowed with argument"),
+        (["--restate", "--no-probe"], "--restate needs the state probe"),
+        (["--restate", "--machine", MACHINE], "has no calibration.reuse.predicted_cold_s"),
     ],
 )
 def test_bad_input(args, message):
@@ -238,3 +240,30 @@ def test_allreduce_check_bad_input(args, message):
     )
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_restate_predicts_each_point_with_the_probes_same_buffer_time():
+    """--restate: the probe before the point sets reuse.reread (its same-buffer time over the
+    file's cold price of it) on the point's command line, kept in the row."""
+    seen = []
+
+    class Failed:
+        returncode, stdout, stderr = 2, "", "stopped here\n"
+
+    def run(cmd, timeout):
+        seen.append(cmd)
+        return Failed()
+
+    probes = iter([{"same_s": 3e-4}, {"same_s": 1e-4}])
+    row = bench.run_point(
+        tiny_point(), MACHINE, run=run, probe=lambda: next(probes), restate=1.5e-4
+    )
+    assert row["restated_reread"] == 2.0
+    i = seen[0].index("--machine-set")
+    assert (
+        seen[0][i + 1] == "reuse.reread=2.0" and "--machine-set reuse.reread=2.0" in row["command"]
+    )
+    # without a probe result, or without --restate: the file as it is
+    for probe, restate in ((lambda: None, 1.5e-4), (lambda: {"same_s": 3e-4}, None)):
+        row = bench.run_point(tiny_point(), MACHINE, run=run, probe=probe, restate=restate)
+        assert "restated_reread" not in row and "--machine-set" not in seen[-1]
