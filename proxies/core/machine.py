@@ -27,7 +27,7 @@ file (never oversubscribed) is unaffected. `fresh_memory`: MPI's temporary buffe
 (the distinct bytes of the rank's buffers touched since; its share of the caches) costs
 `reread` x per byte moved, added and copied, over the price of the cold buffers the other
 figures were measured on (calibrate sets it so the model's 1 MiB MPI allreduce on two
-ranks takes what it measured on the buffer the previous one wrote: 0.8 to 1.7 on the VM
+ranks takes what it measured on the buffer the previous one wrote: 0.8 to 1.9 on the VM
 this was developed on, whose caches made that call 1.3 to 2.8 x a cold one's). The
 predictor applies it where the proxy says which buffers its runtime reuses (compute none
 and model); with real compute the kernels' own traffic passes through the caches between.

@@ -165,6 +165,11 @@ def test_quick_run_on_one_node(tmp_path):
         assert m.fresh_above == 16 << 20 and m.fault_rate > 0
         # timed again with the mmap threshold raised: MPI's temporary no longer faults
         assert cal["fresh_memory"]["from_mpi"]["heap_faulted"] < (48 << 20) / 8
+    # reused buffers: the same-buffer allreduce over the fitted model's cold price of it
+    assert m.reuse_cache > 0 and m.reread > 0
+    assert m.reread == pytest.approx(
+        cal["state"]["same_s"] / cal["reuse"]["predicted_cold_s"], rel=1e-3
+    )
     # the engine's own cost per op, measured through the engine; 2 ranks: not crowded
     assert cal["engine"]["ops"] == 40 and cal["engine"]["op_overhead"] >= 0
     # a sleep lasts longer than asked (Linux's timer slack alone is 50 us by default)
