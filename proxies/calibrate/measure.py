@@ -27,48 +27,43 @@ PINGPONG_SIZES = [8 * 4**k for k in range(12)] + [64 << 20]
 QUICK_PINGPONG_SIZES = [8 * 8**k for k in range(7)]
 
 
-def cache_bytes() -> int:
-    """The largest CPU cache this process may use (Linux sysfs; 32 MiB where unreadable)."""
+def _caches() -> list[tuple[int, int]]:
+    """(bytes, CPUs sharing it) of each of cpu0's caches (Linux sysfs; none where
+    unreadable, one CPU where the sharing list is)."""
     import glob
 
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            text = open(path).read().strip().upper()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=32 << 20)
-
-
-def cache_share() -> int:
-    """The largest CPU cache's bytes per CPU that shares it (Linux sysfs: its size over its
-    shared_cpu_list; the whole cache where the list is unreadable)."""
-    import glob
-
-    best, share = 0, 0
+    out = []
     for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
         try:
             text = open(f"{d}/size").read().strip().upper()
-            cpus = open(f"{d}/shared_cpu_list").read().strip()
         except OSError:
             continue
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         digits = text.rstrip("KMG")
         if not digits.isdigit():
             continue
-        n = 0
-        for part in cpus.split(","):
-            lo, _, hi = part.partition("-")
-            if lo.isdigit():
-                n += int(hi) - int(lo) + 1 if hi.isdigit() else 1
-        size = int(digits) * unit
-        if size > best:
-            best, share = size, size // max(n, 1)
-    return share or cache_bytes()
+        cpus = 0
+        try:
+            for part in open(f"{d}/shared_cpu_list").read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                if lo.isdigit():
+                    cpus += int(hi) - int(lo) + 1 if hi.isdigit() else 1
+        except OSError:
+            pass
+        out.append((int(digits) * unit, max(cpus, 1)))
+    return out
+
+
+def cache_bytes() -> int:
+    """The largest CPU cache this process may use (Linux sysfs; 32 MiB where unreadable)."""
+    return max((size for size, _ in _caches()), default=32 << 20)
+
+
+def cache_share() -> int:
+    """The largest CPU cache's bytes per CPU that shares it (the whole 32 MiB assumed by
+    cache_bytes where sysfs is unreadable)."""
+    size, cpus = max(_caches(), default=(32 << 20, 1))
+    return size // cpus
 
 
 class Arena:
