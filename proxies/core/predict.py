@@ -47,7 +47,8 @@ runs itself on a buffer its rank used again within `reuse.cache` distinct bytes 
 `reuse.reread` x per byte moved, added and copied (reused_ops; steps detail). Measured
 here: in the state where MPI's 1 MiB allreduce took 2.6 x as long on the buffer the
 previous one wrote as on a cold one, GPT-3's tensor-parallel comm-only point reduced one
-2 MiB buffer 32 times an iteration at 0.73 ms a call, against about 0.2 ms cold.
+2 MiB buffer 32 times an iteration at 0.73 ms a call, against about 0.2 ms cold
+(calibrate's cold 1 and 16 MiB MPI allreduces, interpolated).
 """
 
 from __future__ import annotations
