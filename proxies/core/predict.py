@@ -202,11 +202,12 @@ class _Predictor(CollectiveSim):
         self._resumes: dict[tuple, dict] = {}  # (instance, rank) -> where its steps wait
         self.rep_nodes = {topo.node(r) for r in self.plans}  # nodes holding a simulated rank
         self.detail = self._detail(detail)
-        # rank -> its collectives on a reused buffer (reused_ops), each costing reread x
+        # rank -> its collectives on a reused buffer (reused_ops), each costing reread x;
+        # only the step-by-step simulation prices them (coarse phases never read it)
         m = topo.machine
         self.reread = m.reread if buffers is not None and m.reuse_cache and m.reread else 1.0
         self.reused: dict[int, frozenset] = {}
-        if self.reread != 1.0:
+        if self.reread != 1.0 and self.detail == "steps":
             for r, p in self.plans.items():
                 self.reused[r] = reused_ops(p, buffers(p), m.reuse_cache)
 
