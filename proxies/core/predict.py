@@ -16,7 +16,8 @@ discrete-event simulation in global time order:
   algorithm; coarse is what scales (a ring's 2(n-1) steps become one flow per edge), and
   the two agree where both run (tested).
 
-The collectives' half of the simulation is predict_collectives.py.
+The collectives' half of the simulation is predict_collectives.py; when a waiting rank
+sees what it waits for (its tests, and the tests unexpected messages take) predict_waits.py.
 
 Identical ranks once ("folding"): ranks whose coordinates differ only in dimensions whose
 members run the same plan op for op (data-parallel replicas; tensor-parallel shards) are
@@ -65,9 +66,9 @@ from proxies.core.faults import DELAY
 from proxies.core.network import PORT_OUT, Flow, Flows, Topology
 from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait
 from proxies.core.predict_collectives import CollectiveSim, Instance
+from proxies.core.predict_waits import WaitSim
 from proxies.core.report import HIDDEN, union_seconds
 from proxies.core.simulate import PlanError, op_name
-from proxies.core.waiting import yield_sees
 
 STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages stay below this
 # (plan) -> (buffer name, micro-batch) -> the buffer the runtime uses for it
@@ -138,7 +139,7 @@ class _Msg:
         self.on_done: list[Callable[[float, _Msg], None]] = []
 
 
-class _Predictor(CollectiveSim):
+class _Predictor(CollectiveSim, WaitSim):
     def __init__(
         self,
         plans: Sequence[Plan],
@@ -192,6 +193,8 @@ class _Predictor(CollectiveSim):
         self.hidden: dict[int, dict[str, list]] = {r: defaultdict(list) for r in self.plans}
         self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
         self.blocked: dict[int, float] = {}  # rank -> since when it waits (any blocking op)
+        # rank -> (the wait's start, its tests taken by unexpected messages: _unexpected)
+        self.taken: dict[int, tuple[float, set]] = {}
         # A non-blocking collective's reductions and copies run on its rank's core (MPI
         # progresses it inside the engine's calls): where they fall in the rank's own work
         # (compute, the engine) they delay it, charged when it next resumes
@@ -435,6 +438,10 @@ class _Predictor(CollectiveSim):
             msg.library = inst is not None and inst.library
             msg.on_done.append(done)
             mine.append(msg)
+            if sending and self.topo.yielding and (inst is None or dst not in inst.posts):
+                # it reaches a rank that has not posted its op yet (MPI's unexpected queue)
+                arrival = t + self.topo.alpha(src, dst)
+                self.at(arrival, lambda: self._unexpected(dst, arrival))
 
     def _transfer(self, msg: _Msg, t: float) -> None:
         """A matched message: its level's latency, then its bytes as a flow, behind the
@@ -526,13 +533,6 @@ class _Predictor(CollectiveSim):
             images = self._images[key] = int(np.count_nonzero(rep[lo : lo + span] == rep[a]))
         own = 1 if members is None else sum(1 for q in members if lo <= q < lo + span)
         return images / max(own, 1)
-
-    def _seen(self, began: float, ready: float) -> float:
-        """When a wait that began at `began` sees what was ready at `ready`: at once, or
-        with yielding waits at its next test (waiting.yield_sees)."""
-        if not self.topo.yielding or ready <= began:
-            return ready
-        return began + yield_sees(ready - began, self.topo.wake)
 
 
 def predict(

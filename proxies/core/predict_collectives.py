@@ -155,7 +155,7 @@ class CollectiveSim:
                         if since is None:
                             self._steps(inst, r, i, pos, end, done)
                         else:
-                            seen = self._seen(since, end)
+                            seen = self._test(r, since, end)
                             self.at(seen, lambda: self._steps(inst, r, i, pos, seen, done))
 
                 src, dst = (r, peer) if what == "send" else (peer, r)
