@@ -65,7 +65,13 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "all-to-all and the node exchange on every rank with yielding waits "
             "(calibration.oversubscribed_fit); "
             "node_bandwidth from every rank exchanging at once, op_overhead from the engine "
-            "with yielding waits."
+            "with yielding waits"
+            + (
+                "; unexpected: 8 tiny messages sent to a rank inside MPI's all-to-all, its "
+                "delay over their 1 ms tests (calibration.oversubscribed_unexpected)."
+                if m.oversub_unexpected is not None
+                else "."
+            )
         )
     if m.fresh_above is not None:
         out["fresh_memory"] = (
@@ -169,6 +175,8 @@ def oversubscribed_text(m: Machine) -> str:
         parts.append(f"wake {q(m.oversub_wake, 'time')}")
     if m.oversub_mpi_latency:
         parts.append(f"MPI's collectives {q(m.oversub_mpi_latency, 'time')} per step")
+    if m.oversub_unexpected is not None:
+        parts.append(f"{m.oversub_unexpected:g} test(s) per unexpected message")
     return ", ".join(parts)
 
 

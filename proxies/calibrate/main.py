@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from proxies.calibrate import measure, state
+from proxies.calibrate import measure, state, unexpected
 from proxies.calibrate.describe import comments, summary
 from proxies.core import cli, report
 from proxies.core.machine import Level, Machine, dumps
@@ -363,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
             wait=waiter.waitall, barrier=idle,
         )  # fmt: skip
         calibration["oversubscribed_alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
+        say("  unexpected messages into a rank inside MPI's all-to-all, yielding waits ...")
+        odd = unexpected.measure(comm, MPI, 3 if quick else 15, quick)
+        if odd is not None:
+            calibration["oversubscribed_unexpected"] = {
+                k: sig(v) if isinstance(v, float) else v for k, v in odd.items()
+            }
         crowded_targets = {**crowded_times, f"{ALLTOALL}mpi": a2a}
         crowded_targets |= exchange_target(calibration["oversubscribed_node"])
 
@@ -496,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             )
             m.calibration["oversubscribed_fit"] = fit_record(over, "start")
+            odd = m.calibration.get("oversubscribed_unexpected")
+            if odd:
+                taken = unexpected.tests_taken(odd, m.oversub_wake)
+                m = replace(m, oversub_unexpected=sig(taken, 2))
             say(
                 f"  oversubscribed fit: rms of log(predicted / measured) "
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",

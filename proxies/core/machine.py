@@ -9,7 +9,7 @@
     mpi: {allreduce: [[2 KiB, tree], [any, rhd]]}           # optional
     oversubscribed: {latency: 300 us, bandwidth: 10 GB/s, node_bandwidth: 8 GB/s,
                      op_overhead: 400 us, wake: 1 ms,
-                     mpi_latency: 3 ms}                      # optional: ranks > cores
+                     mpi_latency: 3 ms, unexpected: 1}       # optional: ranks > cores
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
     reuse: {cache: 16 MiB, reread: 1.3}                      # optional: reused buffers
     engine: {op_overhead: 20 us, wake: 70 us}                # optional
@@ -39,6 +39,10 @@ wait's between its tests (waiting.py), both of which the predictor follows;
 also waits for a core). `oversubscribed.mpi_latency`: on a crowded node, the latency of each
 message of a collective the MPI library runs itself (its non-blocking schedule advances
 only inside the waits' tests: ms per step where our point-to-point programs take 100s of us).
+`oversubscribed.unexpected`: on a crowded node, the tests of a yielding wait that each
+message arriving for an op its rank has not posted yet takes from the collectives MPI runs
+for that rank (MPICH takes in one arrival per test: 1; a library that takes in all of them
+at once: about 0; left out: 0).
 
 Every figure carries its unit (proxies.core.units). `load` validates everything and raises
 MachineError "<file>: <key>: <what is wrong>" (one line); `cli.machine` turns it into a
@@ -102,6 +106,8 @@ class Machine:
     oversub_op_overhead: float | None = None  # the engine's cost per op
     oversub_wake: float | None = None  # a yielding wait's sleep lasts this much longer
     oversub_mpi_latency: float | None = None  # a message of a collective MPI runs itself
+    # tests of a yielding wait an unexpected message takes (None: none)
+    oversub_unexpected: float | None = None
     # MPI's temporaries above fresh_above bytes are faulted in at fault_rate bytes/s
     fresh_above: int | None = None
     fault_rate: float | None = None
@@ -130,7 +136,7 @@ def mpi_algorithms(kind: str) -> tuple[str, ...]:
 
 
 # section -> {key: kind}; kind is a units kind, "int" (positive integer), "ratio" (>= 1) or
-# "factor" (a plain number > 0)
+# "factor" (a plain number > 0), "number" (a plain number >= 0)
 SECTIONS: dict[str, dict[str, str]] = {
     "nodes": {"ranks_per_node": "int", "cores_per_node": "int"},
     "intra_node": {"latency": "time", "bandwidth": "bandwidth", "node_bandwidth": "bandwidth"},
@@ -144,6 +150,7 @@ SECTIONS: dict[str, dict[str, str]] = {
         "op_overhead": "time",
         "wake": "time",
         "mpi_latency": "time",
+        "unexpected": "number",
     },
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
     "reuse": {"cache": "count", "reread": "factor"},
@@ -160,6 +167,7 @@ OPTIONAL = {
     "oversubscribed.op_overhead",
     "oversubscribed.wake",
     "oversubscribed.mpi_latency",
+    "oversubscribed.unexpected",
     "engine.op_overhead",
     "engine.wake",
 }
@@ -225,6 +233,11 @@ class _Checker:
             if not ok or not math.isfinite(value) or value <= 0:
                 self.fail(full, f"expected a plain number > 0 like 1.5 (1 = none), got {value!r}")
             return float(value)
+        if kind == "number":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value < 0:
+                self.fail(full, f"expected a plain number >= 0 like 1 (0 = none), got {value!r}")
+            return float(value)
         try:
             return parse_quantity(value, kind)
         except ValueError as e:
@@ -235,6 +248,7 @@ _KIND_WORDS = {
     "int": "a positive integer",
     "ratio": "a ratio >= 1",
     "factor": "a plain number > 0",
+    "number": "a plain number >= 0",
     "time": "a time like '15 us'",
     "bandwidth": "a bandwidth like '10 Gb/s' or '25 GB/s'",
     "rate": "a rate like '150 TFLOP/s'",
@@ -348,6 +362,7 @@ def from_mapping(
         oversub_op_overhead=fig.get("oversubscribed.op_overhead"),
         oversub_wake=fig.get("oversubscribed.wake"),
         oversub_mpi_latency=fig.get("oversubscribed.mpi_latency"),
+        oversub_unexpected=fig.get("oversubscribed.unexpected"),
         fresh_above=int(fig["fresh_memory.above"]) if fig.get("fresh_memory.above") else None,
         fault_rate=fig.get("fresh_memory.rate"),
         reuse_cache=int(fig["reuse.cache"]) if fig.get("reuse.cache") else None,
@@ -465,6 +480,8 @@ def to_mapping(m: Machine) -> dict:
             over["wake"] = q(m.oversub_wake, "time")
         if m.oversub_mpi_latency is not None:
             over["mpi_latency"] = q(m.oversub_mpi_latency, "time")
+        if m.oversub_unexpected is not None:
+            over["unexpected"] = float(m.oversub_unexpected)
         out["oversubscribed"] = over
     if m.fresh_above is not None and m.fault_rate is not None:
         out["fresh_memory"] = {

@@ -193,8 +193,11 @@ class _Predictor(CollectiveSim, WaitSim):
         self.hidden: dict[int, dict[str, list]] = {r: defaultdict(list) for r in self.plans}
         self.waiting: dict[int, str] = {}  # rank -> the req it blocks on
         self.blocked: dict[int, float] = {}  # rank -> since when it waits (any blocking op)
-        # rank -> (the wait's start, its tests taken by unexpected messages: _unexpected)
-        self.taken: dict[int, tuple[float, set]] = {}
+        # rank -> (the wait's start, its tests taken by unexpected messages, the part of a
+        # test taken so far: _unexpected); the tests each one takes on a crowded node
+        self.taken: dict[int, tuple[float, set, list]] = {}
+        unexpected = topo.machine.oversub_unexpected if topo.crowded and topo.yielding else 0
+        self.unexpected = unexpected or 0.0
         # A non-blocking collective's reductions and copies run on its rank's core (MPI
         # progresses it inside the engine's calls): where they fall in the rank's own work
         # (compute, the engine) they delay it, charged when it next resumes
@@ -438,7 +441,7 @@ class _Predictor(CollectiveSim, WaitSim):
             msg.library = inst is not None and inst.library
             msg.on_done.append(done)
             mine.append(msg)
-            if sending and self.topo.yielding and (inst is None or dst not in inst.posts):
+            if sending and self.unexpected and (inst is None or dst not in inst.posts):
                 # it reaches a rank that has not posted its op yet (MPI's unexpected queue)
                 arrival = t + self.topo.alpha(src, dst)
                 self.at(arrival, lambda: self._unexpected(dst, arrival))

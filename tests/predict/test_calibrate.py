@@ -242,3 +242,37 @@ def test_quick_run_with_ranks_outnumbering_cores(tmp_path):
     assert cal["node"]["flows"] == 0 and cal["oversubscribed_node"]["flows"] == 2
     assert cal["compute"]["ranks"] == 1  # kernel rates with a rank per core, the other parked
     assert "# Ranks outnumber cores (2 per node on 1)" in open(out).read()
+    assert m.oversub_unexpected is None and "oversubscribed_unexpected" not in cal  # 3+ ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(
+    not shutil.which("taskset") or not hasattr(os, "sched_getaffinity"), reason="needs taskset"
+)
+def test_crowded_run_of_three_measures_what_an_unexpected_message_costs(tmp_path):
+    """3 ranks on one core: ranks 1 and 2 run MPI's all-to-all, rank 0 sends 8 messages
+    into rank 1's wait; the figure is the delay over their tests, written and loadable."""
+    from launch import mpiexec
+
+    from proxies.calibrate.unexpected import MESSAGES, tests_taken
+
+    out = str(tmp_path / "m.yaml")
+    core = str(min(os.sched_getaffinity(0)))
+    cmd = ["taskset", "-c", core, mpiexec(), "-n", "3", sys.executable, "-m", "proxies"]
+    r = run([*cmd, "calibrate", "-o", out, "--quick"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = load(out)
+    odd = m.calibration["oversubscribed_unexpected"]
+    assert odd["messages"] == MESSAGES and odd["alone_s"] > 0 and odd["with_s"] > 0
+    assert m.oversub_unexpected is not None and m.oversub_unexpected >= 0
+    assert math.isclose(m.oversub_unexpected, tests_taken(odd, m.oversub_wake), rel_tol=0.01)
+    assert "test(s) per unexpected message" in r.stdout
+
+
+def test_tests_taken_is_the_delay_over_the_messages_backed_off_tests():
+    from proxies.calibrate.unexpected import tests_taken
+
+    record = {"messages": 8, "alone_s": 0.010, "with_s": 0.018}
+    assert math.isclose(tests_taken(record, 0.0), 1.0)  # 8 ms over 8 tests of 1 ms
+    assert math.isclose(tests_taken(record, 1e-3), 0.5)  # each test 2 ms apart
+    assert tests_taken(record | {"with_s": 0.009}, 0.0) == 0.0  # faster: none

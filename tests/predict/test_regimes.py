@@ -25,6 +25,7 @@ FULL = copy.deepcopy(BASE) | {
         "bandwidth": "5 GB/s",
         "node_bandwidth": "4 GB/s",
         "op_overhead": "40 us",
+        "unexpected": 1,
     },
     "fresh_memory": {"above": "32 MiB", "rate": "2 GB/s"},
     "engine": {"op_overhead": "2 us"},
@@ -35,14 +36,17 @@ def test_new_sections_load_and_round_trip(tmp_path):
     m = load(write(tmp_path, FULL))
     assert m.oversub == Level(300e-6, 5e9) and m.oversub_node_bandwidth == 4e9
     assert m.oversub_op_overhead == 40e-6 and m.op_overhead == 2e-6
+    assert m.oversub_unexpected == 1.0
     assert m.fresh_above == 32 << 20 and m.fault_rate == 2e9
     again = load(write(tmp_path, dumps(m), "again.yaml"))
     assert replace(again, source="") == replace(m, source="")
     # optional parts of the section may be left out; the sections themselves too
     less = copy.deepcopy(FULL)
     del less["oversubscribed"]["node_bandwidth"], less["oversubscribed"]["op_overhead"]
+    del less["oversubscribed"]["unexpected"]
     m = load(write(tmp_path, less, "less.yaml"))
     assert m.oversub_node_bandwidth is None and m.oversub_op_overhead is None
+    assert m.oversub_unexpected is None
     m = load(write(tmp_path, BASE, "base.yaml"))
     assert (m.oversub, m.fresh_above, m.fault_rate, m.op_overhead) == (None, None, None, 0.0)
 
@@ -57,6 +61,8 @@ ERRORS = [
     ("fresh_memory.above", "32 Mb/s", ["expected a size"]),
     ("fresh_memory.above", None, ["missing"]),
     ("fresh_memory.rate", "2 GFLOP/s", ["expected a bandwidth"]),
+    ("oversubscribed.unexpected", -1, ["a plain number >= 0"]),
+    ("oversubscribed.unexpected", "1 test", ["a plain number >= 0"]),
     ("engine.op_overhead", "0 us", ["not a positive"]),
     ("engine.overhead", "1 us", ["unknown key", "did you mean 'op_overhead'?"]),
 ]
@@ -466,12 +472,12 @@ def test_unexpected_messages_take_the_tests_of_the_wait_they_reach():
     # wait's test at 2.31 ms (tests at 50, 70, 110, 190, 350, 670, 1310, 2310, 3310 us...);
     # rank 0 sends k messages to rank 1, which receives them after the allreduce; they
     # arrive at 300 us (the crowded latency) and take the tests from 350 us on.
-    m = replace(crowded_machine(1), oversub_mpi_latency=2e-3)
+    m = replace(crowded_machine(1), oversub_mpi_latency=2e-3, oversub_unexpected=1.0)
     pick = chooser(m, "rd")
     pick.library = lambda kind: True
     g = {"w": (1, 2)}
 
-    def allreduce_end(k: int, wait: str = "yield", first: float = 0.0) -> float:
+    def allreduce_end(k: int, wait: str = "yield", first: float = 0.0, m=m) -> float:
         msgs = lambda peer: tuple(Msg(peer, t, "x", 0, 2) for t in range(k))  # noqa: E731
         ar = Collective("allreduce", "w", "g", 2, "float32")
         lead = (Compute("forward", seconds=first),) if first else ()
@@ -494,3 +500,10 @@ def test_unexpected_messages_take_the_tests_of_the_wait_they_reach():
     assert math.isclose(allreduce_end(8, "spin"), allreduce_end(0, "spin"), rel_tol=1e-9)
     late = allreduce_end(0, first=5e-3)
     assert math.isclose(allreduce_end(8, first=5e-3), late, rel_tol=1e-9)
+    # the machine's figure: half a test each (every second message takes one), none where
+    # the file leaves it out or on a node with a core per rank
+    half = replace(m, oversub_unexpected=0.5)
+    assert math.isclose(allreduce_end(8, m=half), allreduce_end(4), rel_tol=1e-9)
+    assert math.isclose(allreduce_end(8, m=replace(m, oversub_unexpected=None)), alone)
+    roomy = replace(m, cores_per_node=3)
+    assert math.isclose(allreduce_end(8, m=roomy), allreduce_end(0, m=roomy), rel_tol=1e-9)
