@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             m.calibration["oversubscribed_fit"] = fit_record(over, "start")
             odd = m.calibration.get("oversubscribed_unexpected")
             if odd:
-                taken = unexpected.tests_taken(odd, m.oversub_wake)
+                taken = unexpected.fitted(odd, m, n, topo.ranks_per_node)
                 m = replace(m, oversub_unexpected=sig(taken, 2))
             say(
                 f"  oversubscribed fit: rms of log(predicted / measured) "

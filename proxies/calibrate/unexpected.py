@@ -28,6 +28,7 @@ MESSAGES = 8
 NAP = 2e-3  # seconds rank 0 sleeps before it sends: rank 1's wait is at 1 ms tests by then
 FIRST = 16 << 20  # bytes of the all-to-all per rank to start from
 MOST = 128 << 20  # ... and at most (quick: 32 MiB)
+MOST_TESTS = 4.0  # the most tests per message the fit gives
 LEFT = 4e-3  # seconds the all-to-all alone must run past the nap (it doubles until it does)
 
 
@@ -111,8 +112,42 @@ def measure(comm, MPI, reps: int, quick: bool) -> dict | None:
 
 
 def tests_taken(record: dict, wake: float) -> float:
-    """Tests each message took: rank 1's delay over the messages' backed-off tests."""
+    """Tests each message took by hand: rank 1's delay over the messages' backed-off tests
+    (1 ms + wake each). What `fitted` starts from where the predictor sees no delay."""
     from proxies.core.waiting import MAX_SLEEP
 
     delay = max(0.0, record["with_s"] - record["alone_s"])
     return delay / (record["messages"] * (MAX_SLEEP + wake))
+
+
+def fitted(record: dict, m, n: int, rpn: int) -> float:
+    """The machine's oversubscribed.unexpected: the value at which the predictor, on
+    machine m, delays rank 1 of the measured layout by what the run measured (bisection:
+    the delay grows with the figure; at most MOST_TESTS). A taken test delays the
+    all-to-all only where one of its steps was due, so the predictor's delay at 1 is
+    below the messages' 8 tests, and the fit above `tests_taken`'s count."""
+    from dataclasses import replace
+
+    from proxies.core.network import Topology
+    from proxies.core.predict import predict
+    from proxies.core.prediction import chooser
+
+    want = max(0.0, record["with_s"] - record["alone_s"])
+    plans = [_plan(q, n, record["bytes"], True) for q in range(n)]
+
+    def delay(x: float) -> float:
+        mx = replace(m, oversub_unexpected=x)
+        topo = Topology(mx, rpn, "yield")
+        return predict(plans, topo, lambda r, op: op.seconds or 0.0, chooser(mx, "mpi")).finish[1]
+
+    base = delay(0.0)
+    if delay(MOST_TESTS) - base <= 0:  # the model sees nothing to delay: count by hand
+        return tests_taken(record, m.oversub_wake or 0.0)
+    lo, hi = 0.0, MOST_TESTS
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if delay(mid) - base < want:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -254,7 +254,7 @@ def test_crowded_run_of_three_measures_what_an_unexpected_message_costs(tmp_path
     into rank 1's wait; the figure is the delay over their tests, written and loadable."""
     from launch import mpiexec
 
-    from proxies.calibrate.unexpected import MESSAGES, tests_taken
+    from proxies.calibrate.unexpected import MESSAGES, MOST_TESTS, fitted
 
     out = str(tmp_path / "m.yaml")
     core = str(min(os.sched_getaffinity(0)))
@@ -265,7 +265,8 @@ def test_crowded_run_of_three_measures_what_an_unexpected_message_costs(tmp_path
     odd = m.calibration["oversubscribed_unexpected"]
     assert odd["messages"] == MESSAGES and odd["alone_s"] > 0 and odd["with_s"] > 0
     assert m.oversub_unexpected is not None and m.oversub_unexpected >= 0
-    assert math.isclose(m.oversub_unexpected, tests_taken(odd, m.oversub_wake), rel_tol=0.01)
+    assert 0 <= m.oversub_unexpected <= MOST_TESTS
+    assert math.isclose(m.oversub_unexpected, fitted(odd, m, 3, 3), rel_tol=0.01)
     assert "test(s) per unexpected message" in r.stdout
 
 
@@ -276,3 +277,29 @@ def test_tests_taken_is_the_delay_over_the_messages_backed_off_tests():
     assert math.isclose(tests_taken(record, 0.0), 1.0)  # 8 ms over 8 tests of 1 ms
     assert math.isclose(tests_taken(record, 1e-3), 0.5)  # each test 2 ms apart
     assert tests_taken(record | {"with_s": 0.009}, 0.0) == 0.0  # faster: none
+
+
+def test_unexpected_is_fitted_so_the_predictor_delays_the_measured_layout_as_measured():
+    from proxies.calibrate.unexpected import _plan, fitted
+    from proxies.core.network import Topology
+    from proxies.core.predict import predict
+    from proxies.core.prediction import chooser
+
+    from .test_regimes import crowded_machine
+
+    m = replace(crowded_machine(1), oversub_mpi_latency=1e-3, ranks_per_node=4)
+    n, nbytes = 4, 12 << 20  # the all-to-all alone: 7.7 ms, steps due among the tests
+    plans = [_plan(q, n, nbytes, True) for q in range(n)]
+
+    def rank1(x):
+        mx = replace(m, oversub_unexpected=x)
+        topo, pick = Topology(mx, 4, "yield"), chooser(mx, "mpi")
+        return predict(plans, topo, lambda r, o: o.seconds or 0.0, pick).finish[1]
+
+    base = rank1(0.0)
+    one = rank1(1.0) - base
+    assert one > 2e-3  # the messages' tests hold rank 1's all-to-all back
+    record = {"messages": 8, "bytes": nbytes, "alone_s": 0.01, "with_s": 0.01 + one}
+    x = fitted(record, m, n, 4)
+    assert x <= 1.0 and math.isclose(rank1(x) - base, one, rel_tol=1e-9)
+    assert fitted(record | {"with_s": 0.01}, m, n, 4) < 0.2  # no delay: (next to) none
