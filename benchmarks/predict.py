@@ -41,7 +41,8 @@ predicted, their relative error, and among the categories that take at least 10%
 measured iteration (mean over ranks, median over iterations; overlapped `_hidden` time
 excluded, it is not part of the iteration) the one the prediction misses most. --details
 adds every category. --restate predicts each point in the state the probe finds just before
-it (the file's `reuse.reread` from that probe), the rest of the file as calibrated.
+it (the file's `reuse.reread` and `compute.memory` from that probe), the rest of the file as
+calibrated.
 """
 
 from __future__ import annotations
@@ -220,15 +221,15 @@ def run_point(
     warmup: int = 1,
     run: Callable = execute,
     probe: Callable[[], dict | None] | None = None,
-    restate: float | None = None,
+    restate: Restate | None = None,
 ) -> dict:
     """Run one point with --machine and --json; the row: the point, status ("ok", or why it
     failed), and when ok the measured, predicted and error fields (see compare). `probe`
     (e.g. state_probe): the machine's state figures just before and just after the run,
-    kept as the row's "state" [before, after]. `restate` (with probe): the file's predicted
-    cold price of the probe's allreduce (calibration.reuse.predicted_cold_s); the point is
-    predicted with reuse.reread = the probe's same-buffer time before it over that, kept as
-    the row's "restated_reread"."""
+    kept as the row's "state" [before, after]. `restate` (with probe, see `restated`): the
+    point is predicted with reuse.reread = the probe's same-buffer time before it over the
+    file's cold price of that call, and compute.memory scaled by the probe's copy rate over
+    the calibration's, kept as the row's "restated_reread" and "restated_memory"."""
     row = {
         "proxy": point.proxy,
         "config": point.config,
@@ -242,8 +243,11 @@ def run_point(
         before = probe() if probe else None
         sets = []
         if restate and before and before.get("same_s"):
-            row["restated_reread"] = float(f"{before['same_s'] / restate:.4g}")
+            row["restated_reread"] = float(f"{before['same_s'] / restate.cold_s:.4g}")
             sets.append(f"reuse.reread={row['restated_reread']}")
+        if restate and restate.copy and before and before.get("copy"):
+            row["restated_memory"] = float(f"{restate.memory * before['copy'] / restate.copy:.4g}")
+            sets.append(f"compute.memory={row['restated_memory'] / 1e9:.4g} GB/s")
         cmd = command(point, machine, out, iters, warmup, sets)
         row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
         try:
@@ -297,17 +301,31 @@ def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
         sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
 
 
-def restated_cold(machine: str) -> float:
-    """The file's predicted seconds of the state's cold allreduce (calibration.reuse), which
-    --restate divides the probe's same-buffer time by; a one-line error where it has none."""
+@dataclass(frozen=True)
+class Restate:
+    """What --restate needs of the machine file: the predicted seconds of the state's cold
+    allreduce (calibration.reuse), which the probe's same-buffer time is divided by; the
+    copy rate the calibration's state measured and the file's compute.memory, which is
+    scaled by the probe's copy rate over that (None: no copy rate recorded)."""
+
+    cold_s: float
+    copy: float | None
+    memory: float
+
+
+def restated(machine: str) -> Restate:
+    """The file's figures --restate works from; a one-line error where it has none."""
     from proxies.core.machine import load
 
-    cold = (load(machine).calibration.get("reuse") or {}).get("predicted_cold_s")
+    m = load(machine)
+    cold = (m.calibration.get("reuse") or {}).get("predicted_cold_s")
     if not isinstance(cold, (int, float)) or cold <= 0:
         raise ValueError(
             f"--restate: {machine} has no calibration.reuse.predicted_cold_s (calibrate again)"
         )
-    return float(cold)
+    copy = (m.calibration.get("state") or {}).get("copy")
+    ok = isinstance(copy, (int, float)) and copy > 0 and m.memory_bandwidth
+    return Restate(float(cold), float(copy) if ok else None, float(m.memory_bandwidth or 0))
 
 
 def state_probe(timeout: float = 30) -> dict | None:
@@ -528,7 +546,8 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="predict each point in the state the probe finds just before it: reuse.reread "
         "from the probe's same-buffer allreduce over the file's cold price of it "
-        "(calibration.reuse); the rest of the file as calibrated",
+        "(calibration.reuse), compute.memory scaled by the probe's copy rate over the "
+        "calibration's (calibration.state.copy); the rest of the file as calibrated",
     )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
@@ -569,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             from proxies.calibrate.probe import calibrated_state
 
             calibrated = calibrated_state(machine)
-            restate = restated_cold(machine) if args.restate else None
+            restate = restated(machine) if args.restate else None
         except Exception as e:  # a bad file: the proxies would each refuse it the same way
             print(f"predict: {e}", file=sys.stderr)
             return 2
@@ -583,7 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         if restate:
             print(
                 f"# --restate: each point with reuse.reread = the probe's same-buffer 1 MiB "
-                f"allreduce before it / {restate * 1e6:.0f} us (the file's cold price of it)"
+                f"allreduce before it / {restate.cold_s * 1e6:.0f} us (the file's cold price of "
+                f"it)"
+                + (
+                    f", compute.memory = {restate.memory / 1e9:.3g} GB/s x the probe's copy "
+                    f"rate / {restate.copy / 1e9:.3g} GB/s (the calibration's)"
+                    if restate.copy
+                    else ""
+                )
             )
         rows = []
         for proxy in proxies:

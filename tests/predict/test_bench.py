@@ -254,16 +254,23 @@ def test_restate_predicts_each_point_with_the_probes_same_buffer_time():
         seen.append(cmd)
         return Failed()
 
-    probes = iter([{"same_s": 3e-4}, {"same_s": 1e-4}])
+    probes = iter([{"same_s": 3e-4, "copy": 2e10}, {"same_s": 1e-4, "copy": 4e10}])
+    restate = bench.Restate(cold_s=1.5e-4, copy=4e10, memory=44e9)
     row = bench.run_point(
-        tiny_point(), MACHINE, run=run, probe=lambda: next(probes), restate=1.5e-4
+        tiny_point(), MACHINE, run=run, probe=lambda: next(probes), restate=restate
     )
-    assert row["restated_reread"] == 2.0
-    i = seen[0].index("--machine-set")
-    assert (
-        seen[0][i + 1] == "reuse.reread=2.0" and "--machine-set reuse.reread=2.0" in row["command"]
+    # the probe before: twice the cold price, copies at half the calibration's rate
+    assert row["restated_reread"] == 2.0 and row["restated_memory"] == 22e9
+    sets = [seen[0][i + 1] for i, a in enumerate(seen[0]) if a == "--machine-set"]
+    assert sets == ["reuse.reread=2.0", "compute.memory=22 GB/s"]
+    assert "--machine-set reuse.reread=2.0" in row["command"]
+    # a file whose calibration recorded no copy rate: reread alone
+    bare = bench.Restate(cold_s=1.5e-4, copy=None, memory=44e9)
+    row = bench.run_point(
+        tiny_point(), MACHINE, run=run, probe=lambda: {"same_s": 3e-4, "copy": 2e10}, restate=bare
     )
+    assert "restated_memory" not in row and "compute.memory=22 GB/s" not in seen[-1]
     # without a probe result, or without --restate: the file as it is
-    for probe, restate in ((lambda: None, 1.5e-4), (lambda: {"same_s": 3e-4}, None)):
-        row = bench.run_point(tiny_point(), MACHINE, run=run, probe=probe, restate=restate)
+    for probe, given in ((lambda: None, restate), (lambda: {"same_s": 3e-4}, None)):
+        row = bench.run_point(tiny_point(), MACHINE, run=run, probe=probe, restate=given)
         assert "restated_reread" not in row and "--machine-set" not in seen[-1]
