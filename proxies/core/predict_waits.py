@@ -26,7 +26,7 @@ class WaitSim:
         the collectives it runs for r, which move to the first test left (_test). Measured
         with 4 ranks on 2 cores, MPICH: 8 tiny messages sent to a rank inside a 16 MiB
         all-to-all's wait held it 7 - 9 ms, the 8 one-millisecond tests of its backed-off
-        wait; into a rank at work (a sleep), nothing."""
+        wait. A rank at work takes them in at its next MPI call, at no cost modelled."""
         since = self.blocked.get(r)
         if since is None or t - since <= SPIN_FIRST:  # at work, or testing back to back
             return
