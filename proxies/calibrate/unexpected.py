@@ -13,9 +13,10 @@ still runs on the other ranks).
 The measurement, through the real engine with the runs' yielding waits: ranks 1 .. n-1 run
 MPI's in-place all-to-all; rank 0 sleeps 2 ms (the wait has backed off to 1 ms tests by
 then), then sends `MESSAGES` tiny messages to rank 1, which receives them after the
-all-to-all. Rank 1's time with the messages less its time without, alternating, medians:
-the figure is that delay over the messages' tests at the backed-off rate (1 ms + the
-crowded `wake`). The all-to-all doubles until it outlasts the messages' tests.
+all-to-all. Rank 1's time with the messages less its time without, alternating, medians
+(the all-to-all doubles until it runs well past the messages' arrival): the figure is the
+value at which the predictor, on the fitted machine, delays rank 1 of the same layout by
+that much (`fitted`).
 """
 
 from __future__ import annotations
@@ -137,18 +138,18 @@ def fitted(record: dict, m, n: int, rpn: int) -> float:
         return 0.0
     plans = [_plan(q, n, record["bytes"], True) for q in range(n)]
 
-    def delay(x: float) -> float:
+    def rank1_end(x: float) -> float:
         mx = replace(m, oversub_unexpected=x)
         topo = Topology(mx, rpn, "yield")
         return predict(plans, topo, lambda r, op: op.seconds or 0.0, chooser(mx, "mpi")).finish[1]
 
-    base = delay(0.0)
-    if delay(MOST_TESTS) - base <= 0:  # the model sees nothing to delay: count by hand
+    base = rank1_end(0.0)
+    if rank1_end(MOST_TESTS) <= base:  # the model sees nothing to delay: count by hand
         return tests_taken(record, m.oversub_wake or 0.0)
     lo, hi = 0.0, MOST_TESTS
     for _ in range(30):
         mid = (lo + hi) / 2
-        if delay(mid) - base < want:
+        if rank1_end(mid) - base < want:
             lo = mid
         else:
             hi = mid

@@ -5,7 +5,7 @@ then a sleep that doubles up to 1 ms) sees it at its next test, and MPI takes th
 of a collective it runs only inside a test. MPICH also takes in one arriving message per
 test: a message for an op its rank has not posted yet (MPI's unexpected queue) takes one of
 the wait's tests (the machine's oversubscribed.unexpected, measured by calibrate: 1 for
-MPICH, about 0.1 for Open MPI), and the collective's step moves to the first test left.
+MPICH, 0 for Open MPI), and the collective's step moves to the first test left.
 """
 
 from __future__ import annotations
