@@ -198,6 +198,11 @@ class _Predictor(CollectiveSim, WaitSim):
         self.taken: dict[int, tuple[float, set, list]] = {}
         unexpected = topo.machine.oversub_unexpected if topo.crowded and topo.yielding else 0
         self.unexpected = unexpected or 0.0
+        # rank -> messages of collectives MPI runs that it sends or receives, matched and
+        # not yet arrived; tests unexpected messages took while there were some, owed by
+        # its next step (_unexpected)
+        self.moving = dict.fromkeys(self.plans, 0)
+        self.owed = dict.fromkeys(self.plans, 0)
         # A non-blocking collective's reductions and copies run on its rank's core (MPI
         # progresses it inside the engine's calls): where they fall in the rank's own work
         # (compute, the engine) they delay it, charged when it next resumes
@@ -455,6 +460,9 @@ class _Predictor(CollectiveSim, WaitSim):
         nothing back."""
         alpha = self.topo.alpha(msg.src, msg.dst, msg.library)
         start = t + alpha
+        if msg.library and self.unexpected:  # MPI moves it at its ranks' tests
+            self.moving[msg.src] += 1
+            self.moving[msg.dst] += 1
         if alpha > 0:  # its bytes join the pair's queue when the step is taken
             self.at(start, lambda: self._enqueue(msg, start))
         else:
@@ -489,6 +497,9 @@ class _Predictor(CollectiveSim, WaitSim):
                 del self.wires[pair]
 
         def finished(end: float) -> None:
+            if msg.library and self.unexpected:
+                self.moving[msg.src] -= 1
+                self.moving[msg.dst] -= 1
             for cb in msg.on_done:  # first: an arrival may set its rank's MPI to work
                 cb(end, msg)
             # the next one after every other arrival of this instant (a step needs two)

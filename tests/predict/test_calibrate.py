@@ -299,7 +299,7 @@ def test_unexpected_is_fitted_so_the_predictor_delays_the_measured_layout_as_mea
     base = rank1(0.0)
     one = rank1(1.0) - base
     assert one > 2e-3  # the messages' tests hold rank 1's all-to-all back
-    record = {"messages": 8, "bytes": nbytes, "alone_s": 0.01, "with_s": 0.01 + one}
+    record = {"messages": 8, "bytes": nbytes, "alone_s": 0.0, "with_s": one}
     x = fitted(record, m, n, 4)
     assert x <= 1.0 and math.isclose(rank1(x) - base, one, rel_tol=1e-9)
-    assert fitted(record | {"with_s": 0.009}, m, n, 4) == 0.0  # no slower: none
+    assert fitted(record | {"alone_s": 0.01, "with_s": 0.009}, m, n, 4) == 0.0  # none

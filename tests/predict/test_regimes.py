@@ -464,42 +464,46 @@ def test_a_pending_collective_steps_at_the_tests_of_the_wait_its_rank_is_in():
 
 
 def test_unexpected_messages_take_the_tests_of_the_wait_they_reach():
-    # MPI takes in one arriving message per test: messages for an op their rank has not
-    # posted yet take the next tests of its backed-off wait, and the step of the collective
-    # it waits on moves to the first test they left (measured: 8 tiny sends into a rank
-    # waiting on a 16 MiB all-to-all held it 8 tests of 1 ms). Ranks 1 and 2 run MPI's
+    # MPI takes in one arriving message per test: a message for an op its rank has not
+    # posted yet takes a test of the rank's backed-off wait (measured: 8 tiny sends into a
+    # rank waiting on a 16 MiB all-to-all held it 8 tests of 1 ms). Ranks 1 and 2 run MPI's
     # allreduce, one exchange that arrives after 2 ms (mpi_latency) and is seen at the
     # wait's test at 2.31 ms (tests at 50, 70, 110, 190, 350, 670, 1310, 2310, 3310 us...);
     # rank 0 sends k messages to rank 1, which receives them after the allreduce; they
-    # arrive at 300 us (the crowded latency) and take the tests from 350 us on.
+    # arrive at 300 us (the crowded latency), while the exchange is moving: each one puts
+    # the step a test later.
     m = replace(crowded_machine(1), oversub_mpi_latency=2e-3, oversub_unexpected=1.0)
     pick = chooser(m, "rd")
     pick.library = lambda kind: True
     g = {"w": (1, 2)}
 
-    def allreduce_end(k: int, wait: str = "yield", first: float = 0.0, m=m) -> float:
+    def allreduce_end(k: int, wait: str = "yield", lead=(0.0, 0.0), m=m) -> float:
         msgs = lambda peer: tuple(Msg(peer, t, "x", 0, 2) for t in range(k))  # noqa: E731
         ar = Collective("allreduce", "w", "g", 2, "float32")
-        lead = (Compute("forward", seconds=first),) if first else ()
+        first = [(Compute("forward", seconds=s),) if s else () for s in lead]
         plans = [
             Plan(0, (P2P("pp", sends=msgs(1)),) if k else (), g),
-            Plan(1, (*lead, ar, P2P("pp", recvs=msgs(0))) if k else (*lead, ar), g),
-            Plan(2, (*lead, ar), g),
+            Plan(1, (*first[0], ar, P2P("pp", recvs=msgs(0))) if k else (*first[0], ar), g),
+            Plan(2, (*first[1], ar), g),
         ]
         pred = predict(plans, Topology(m, 3, wait), lambda r, o: o.seconds, pick, keep_spans=True)
         return next(end for _, end, op, _ in pred.spans[1] if isinstance(op, Collective))
 
     alone = allreduce_end(0)
     assert math.isclose(alone, 2.31e-3, rel_tol=1e-6)
-    # 3 messages take 350, 670 and 1310 us: the step is still seen at 2310 us
-    assert math.isclose(allreduce_end(3), alone, rel_tol=1e-9)
-    # 4 take 2310 us too, 5 take 3310 us as well: seen at 3310, then 4310 us
-    assert math.isclose(allreduce_end(4), 3.31e-3, rel_tol=1e-6)
-    assert math.isclose(allreduce_end(5), 4.31e-3, rel_tol=1e-6)
+    for k in (1, 3, 5):
+        assert math.isclose(allreduce_end(k), alone + k * 1e-3, rel_tol=1e-6)
+    # rank 2 joins 5 ms late: nothing of the allreduce moves while the messages come in,
+    # they take tests (350 us ... 6.31 ms) that moved nothing; the step, at 7 ms, is seen
+    # at the first test left (7.31 ms), as without them; a ninth takes that one too
+    late = allreduce_end(0, lead=(0.0, 5e-3))
+    assert math.isclose(late, 7.31e-3, rel_tol=1e-6)
+    assert math.isclose(allreduce_end(8, lead=(0.0, 5e-3)), late, rel_tol=1e-9)
+    assert math.isclose(allreduce_end(9, lead=(0.0, 5e-3)), late + 1e-3, rel_tol=1e-6)
     # spinning waits test back to back; a rank at work takes them in at its next call
     assert math.isclose(allreduce_end(8, "spin"), allreduce_end(0, "spin"), rel_tol=1e-9)
-    late = allreduce_end(0, first=5e-3)
-    assert math.isclose(allreduce_end(8, first=5e-3), late, rel_tol=1e-9)
+    busy = allreduce_end(0, lead=(5e-3, 5e-3))
+    assert math.isclose(allreduce_end(8, lead=(5e-3, 5e-3)), busy, rel_tol=1e-9)
     # the machine's figure: half a test each (every second message takes one), none where
     # the file leaves it out or on a node with a core per rank
     half = replace(m, oversub_unexpected=0.5)
