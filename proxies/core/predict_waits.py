@@ -44,8 +44,7 @@ class WaitSim:
             if self.moving[r]:  # MPI moving a collective's messages: they move a test later
                 self.owed[r] += 1
                 continue
-            while test in taken:
-                test = self._seen(since, test + TEST_AFTER)
+            test = self._free(since, test, taken)
             taken.add(test)
 
     def _test(self, r: int, since: float, ready: float) -> float:
@@ -55,13 +54,16 @@ class WaitSim:
         test = self._seen(since, ready)
         began, taken, _ = self.taken.get(r, (None, None, None))
         taken = taken if began == since else ()
-        while test in taken:
-            test = self._seen(since, test + TEST_AFTER)
+        test = self._free(since, test, taken)
         while self.owed[r]:  # tests unexpected messages took while this step was in flight
             self.owed[r] -= 1
+            test = self._free(since, self._seen(since, test + TEST_AFTER), taken)
+        return test
+
+    def _free(self, since: float, test: float, taken) -> float:
+        """`test` of the wait begun at `since`, or the first later one not in `taken`."""
+        while test in taken:
             test = self._seen(since, test + TEST_AFTER)
-            while test in taken:
-                test = self._seen(since, test + TEST_AFTER)
         return test
 
     def _seen(self, began: float, ready: float) -> float:
