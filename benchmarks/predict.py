@@ -12,8 +12,8 @@ with that file. Then for every proxy x rank count x compute mode it runs
     mpiexec -n R python -m proxies.PROXY ARGS --compute MODE --iters 5 --warmup 2 \\
         --machine FILE --json OUT
 
-(2 warm-ups, 5 timed iterations, each under --timeout) and reads the measured
-(`iter_time_s`, `breakdown_s`) and predicted (`predicted_iter_time_s`,
+(2 warm-ups, 5 timed iterations, each under --timeout) --launches times (3 unless --quick)
+and reads the measured (`iter_time_s`, `breakdown_s`) and predicted (`predicted_iter_time_s`,
 `predicted_breakdown_s`) fields of OUT. Modes:
 
 - `none`: communication only;
@@ -36,10 +36,12 @@ The configurations (small, seconds each on 2 cores; R even):
 - dlrm: the C++ proxy's DLRM (4 tables x 80,000 x 128), global batch 32768, table-wise: the
   embedding all-to-alls forward and backward, the MLP gradient allreduces.
 
-The table: measured iteration (median of the timed iterations, each the slowest rank's),
-predicted, their relative error, and among the categories that take at least 10% of the
-measured iteration (mean over ranks, median over iterations; overlapped `_hidden` time
-excluded, it is not part of the iteration) the one the prediction misses most. --details
+The table: measured iteration (the median over launches of each launch's median of the timed
+iterations, each the slowest rank's), predicted, their relative error, the launches' spread
+((slowest - fastest launch) / measured: how far the measurement itself repeats), and among
+the categories that take at least 10% of the measured iteration (mean over ranks, median over
+iterations and launches; overlapped `_hidden` time excluded, it is not part of the
+iteration) the one the prediction misses most. --details
 adds every category. --restate predicts each point in the state the probe finds just before
 it (the file's `reuse.reread` and `compute.memory` from that probe), the rest of the file as
 calibrated.
@@ -70,6 +72,10 @@ SHARE = 0.10  # categories under this share of the iteration are not judged
 # warm-up still pays one-time costs (MPI's heap growing to its temporaries: cosmoflow's
 # 2-rank point 10 ms, then 6.3), which a steady-state prediction does not include.
 ITERS, WARMUP = 5, 2
+# Launches per point: one launch's iterations agree within a few %, separate launches of the
+# same point on this VM differ by up to 50% (cosmoflow 2 ranks none: 5.1 to 7.6 ms in seven
+# launches in a row); the median launch is the point's measurement.
+LAUNCHES = 3
 # a point ran in the machine's calibrated state when every state figure its probes measured
 # before and after it is within this factor of the calibrated one (this VM's states differ
 # by 2x: a same-buffer allreduce x1.3 or x2.6 a cold one's, copies at 22 or 44 GB/s)
@@ -177,14 +183,21 @@ def last_line(text: str) -> str:
     return lines[-1][:160] if lines else "no output"
 
 
-def compare(result: dict) -> dict:
-    """The row's numbers from a proxy's --json result with --machine."""
-    measured = statistics.median(result["iter_time_s"])
+def compare(results: dict | list[dict]) -> dict:
+    """The row's numbers from a proxy's --json results with --machine, one per launch of the
+    same point (one prediction: the first's): the median launch of the launches' medians."""
+    results = [results] if isinstance(results, dict) else results
+    launches = [statistics.median(r["iter_time_s"]) for r in results]
+    measured = statistics.median(launches)
+    result = results[0]
     predicted = result["predicted_iter_time_s"]
     pred_cats = result.get("predicted_breakdown_s", {})
     cats = {}
-    for c, per_iter in result["breakdown_s"].items():
-        m = statistics.median(per_iter)
+    for c in dict.fromkeys(c for r in results for c in r["breakdown_s"]):
+        m = statistics.median(
+            statistics.median(r["breakdown_s"][c]) if c in r["breakdown_s"] else 0.0
+            for r in results
+        )
         p = pred_cats.get(c, 0.0)  # a category the predictor has no figure for: it predicts 0
         cats[c] = {
             "measured_s": m,
@@ -200,7 +213,9 @@ def compare(result: dict) -> dict:
     worst = max(judged, key=lambda cv: abs(cv[1]["error_pct"]), default=None)
     return {
         "measured_s": measured,
-        "measured_iters_s": result["iter_time_s"],
+        "measured_iters_s": [t for r in results for t in r["iter_time_s"]],
+        "measured_launches_s": launches,
+        "spread_pct": 100 * (max(launches) - min(launches)) / measured if measured else 0.0,
         "predicted_s": predicted,
         "error_pct": 100 * (predicted - measured) / measured,
         "worst_category": worst[0] if worst else None,
@@ -222,11 +237,13 @@ def run_point(
     run: Callable = execute,
     probe: Callable[[], dict | None] | None = None,
     restate: Restate | None = None,
+    launches: int = 1,
 ) -> dict:
-    """Run one point with --machine and --json; the row: the point, status ("ok", or why it
-    failed), and when ok the measured, predicted and error fields (see compare). `probe`
-    (e.g. state_probe): the machine's state figures just before and just after the run,
-    kept as the row's "state" [before, after]. `restate` (with probe, see `restated`): the
+    """Run one point with --machine and --json, `launches` times in a row; the row: the
+    point, status ("ok", or why it failed), and when ok the measured, predicted and error
+    fields (see compare). `probe` (e.g. state_probe): the machine's state figures just
+    before the first launch and just after the last, kept as the row's "state" [before,
+    after]. `restate` (with probe, see `restated`): the
     point is predicted with reuse.reread = the probe's same-buffer time before it over the
     file's cold price of that call, and compute.memory scaled by the probe's copy rate over
     the calibration's, kept as the row's "restated_reread" and "restated_memory"."""
@@ -250,22 +267,32 @@ def run_point(
             sets.append(f"compute.memory={row['restated_memory'] / 1e9:.4g} GB/s")
         cmd = command(point, machine, out, iters, warmup, sets)
         row["command"] = " ".join(["mpiexec", *cmd[1:3], "python", *cmd[4:-2]])
-        try:
-            r = run(cmd, timeout=timeout)
-        except (TimeoutError, AssertionError) as e:  # AssertionError: tests/launch.run's
-            row["status"] = f"failed: {str(e).splitlines()[0]}"
-            return row | {"wall_s": time.perf_counter() - t0}
+        results = []
+        for k in range(launches):
+            which = f"launch {k + 1} of {launches}: " if launches > 1 else ""
+            try:
+                r = run(cmd, timeout=timeout)
+            except (TimeoutError, AssertionError) as e:  # AssertionError: tests/launch.run's
+                row["status"] = f"failed: {which}{str(e).splitlines()[0]}"
+                return row | {"wall_s": time.perf_counter() - t0}
+            if r.returncode:
+                row["wall_s"] = time.perf_counter() - t0
+                last = last_line(r.stderr or r.stdout)
+                row["status"] = f"failed: {which}exit {r.returncode}: {last}"
+                return row
+            try:
+                with open(out) as f:
+                    results.append(json.load(f))
+                os.remove(out)
+            except (OSError, ValueError) as e:
+                row["status"] = f"failed: {which}no result ({type(e).__name__}: {e})"
+                return row
         row["wall_s"] = time.perf_counter() - t0
         if probe:
             row["state"] = [before, probe()]
-        if r.returncode:
-            row["status"] = f"failed: exit {r.returncode}: {last_line(r.stderr or r.stdout)}"
-            return row
         try:
-            with open(out) as f:
-                result = json.load(f)
-            row |= compare(result)
-        except (OSError, ValueError, KeyError) as e:
+            row |= compare(results)
+        except (ValueError, KeyError, statistics.StatisticsError) as e:
             row["status"] = f"failed: no prediction in the result ({type(e).__name__}: {e})"
             return row
     row["status"] = "ok"
@@ -407,11 +434,11 @@ def pct(x: float | None) -> str:
 
 
 def print_table(rows: list[dict], target: float, calibrated: dict | None = None) -> None:
-    head = ("proxy", "config", "ranks", "mode", "measured", "predicted", "error", "worst >=10%")
+    head = ("proxy", "config", "ranks", "mode", "measured", "predicted", "error", "spread")
     w = max([len(r["config"]) for r in rows] + [6])
     print(
         f"{head[0]:<9} {head[1]:<{w}} {head[2]:>5} {head[3]:<15} {head[4]:>9} "
-        f"{head[5]:>9} {head[6]:>7}  {head[7]}"
+        f"{head[5]:>9} {head[6]:>7} {head[7]:>6}  worst >=10%"
     )
     for r in rows:
         mode = r["mode"] + (
@@ -429,9 +456,12 @@ def print_table(rows: list[dict], target: float, calibrated: dict | None = None)
         miss = "  *" if abs(r["error_pct"]) > target else ""
         d = drift(r, calibrated)
         state = "" if d is None else f"  drift x{d:.2g}" + (" ~" if d > STATE_BAND else "")
+        spread = r.get("spread_pct")
+        spread = "-" if spread is None or len(r.get("measured_launches_s", ())) < 2 else spread
+        spread = spread if spread == "-" else f"{spread:.0f}%"
         print(
             f"{lead} {r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s "
-            f"{pct(r['error_pct']):>7}  {worst}{miss}{state}"
+            f"{pct(r['error_pct']):>7} {spread:>6}  {worst}{miss}{state}"
         )
     ok = [r for r in rows if r["status"] == "ok"]
     within = sum(abs(r["error_pct"]) <= target for r in ok)
@@ -443,6 +473,13 @@ def print_table(rows: list[dict], target: float, calibrated: dict | None = None)
         line += (
             f"; {inside} of the {len(calm)} run in the calibrated state (every state figure "
             f"before and after within x{STATE_BAND:g} of the calibrated one; ~ marks the others)"
+        )
+    wide = [r for r in ok if len(r.get("measured_launches_s", ())) > 1]
+    if wide:
+        apart = sum(r["spread_pct"] > target for r in wide)
+        line += (
+            f"; the launches of {apart} of {len(wide)} points spread wider than {target:g}% "
+            "(the measurement's own repeatability)"
         )
     print(line)
 
@@ -549,6 +586,12 @@ def parser() -> argparse.ArgumentParser:
         "(calibration.reuse), compute.memory scaled by the probe's copy rate over the "
         "calibration's (calibration.state.copy); the rest of the file as calibrated",
     )
+    p.add_argument(
+        "--launches",
+        type=cli.integer(min=1, max=100),
+        default=None,
+        help=f"launches of each point, measured as the median launch ({LAUNCHES}; 1 with --quick)",
+    )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
     return p
@@ -577,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restate and args.no_probe:
         p.error("--restate needs the state probe: not with --no-probe")
     iters, warmup = (1, 1) if args.quick else (ITERS, WARMUP)
+    launches = args.launches or (1 if args.quick else LAUNCHES)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         machine = args.machine
@@ -594,7 +638,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         probe = None if args.no_probe else state_probe
         timing = dict(
-            timeout=args.timeout, iters=iters, warmup=warmup, probe=probe, restate=restate
+            timeout=args.timeout,
+            iters=iters,
+            warmup=warmup,
+            probe=probe,
+            restate=restate,
+            launches=launches,
         )
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"# host: {cores} cores · machine file {machine}")
@@ -645,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         waits = sorted({f"{r['ranks']} ranks: {r['wait']}" for r in rows if r.get("wait")})
         print(
             f"\n# predicted vs measured per iteration, the median of {iters} timed after "
-            f"{warmup} warm-up" + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
+            f"{warmup} warm-up"
+            + (f", the median of {launches} launches" if launches > 1 else "")
+            + (f" · {mpi} · waits {', '.join(waits)}" if mpi else "")
         )
         print(f"# * error above {args.target:g}%")
         print_table(rows, args.target, calibrated)
@@ -660,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                 "host_cores": cores,
                 "machine": summary,
                 "calibrated_state": calibrated,
+                "launches": launches,
                 "mpi": mpi,
                 "seconds": total,
                 "rows": rows,

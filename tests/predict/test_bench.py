@@ -120,6 +120,68 @@ def test_compare_judges_big_categories_only():
     assert r["worst_category_error_pct"] == pytest.approx(100 * 0.05 / 0.95)
 
 
+def test_launches_are_measured_as_the_median_launch(capsys):
+    """A point launched 3 times: the median of the launches' medians, their spread, each
+    category's median over launches (0 in a launch without it); one prediction."""
+    r = bench.compare(
+        [
+            result([1.0, 1.2, 0.9], {"compute": [0.5] * 3, "pp": [0.5] * 3}, 1.5, {"pp": 0.6}),
+            result([3.0, 3.0, 3.1], {"compute": [2.0] * 3}, 1.5, {"pp": 0.6}),
+            result([2.0, 2.0, 1.0], {"compute": [1.0] * 3, "pp": [0.4] * 3}, 1.5, {"pp": 0.6}),
+        ]
+    )
+    assert r["measured_launches_s"] == [1.0, 3.0, 2.0] and r["measured_s"] == 2.0
+    assert r["spread_pct"] == pytest.approx(100.0) and len(r["measured_iters_s"]) == 9
+    assert r["error_pct"] == pytest.approx(-25.0)
+    assert r["categories"]["compute"]["measured_s"] == 1.0
+    assert r["categories"]["pp"]["measured_s"] == 0.4  # median of 0.5, 0 and 0.4
+    assert r["categories"]["pp"]["error_pct"] == pytest.approx(50.0)
+    row = {"proxy": "gpt3", "config": "c", "ranks": 2, "mode": "none", "tflops": None,
+           "status": "ok"} | r  # fmt: skip
+    one = row | bench.compare(result([2.0], {"compute": [1.0]}, 2.2, {"compute": 1.1}))
+    bench.print_table([row, one], 25)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[-3:] == ["spread", "worst", ">=10%"]
+    assert "-25%   100%  " in out[1] and "+10%      -  " in out[2]
+    assert out[3] == (
+        "# within 25%: 2 of 2; the launches of 1 of 1 points spread wider than 25% (the "
+        "measurement's own repeatability)"
+    )
+
+
+def test_each_launch_runs_and_a_failed_one_fails_the_point():
+    """run_point with launches=3: three runs of the same command, the probe before the first
+    and after the last; a launch that fails names itself."""
+    times = iter([[1.0], [3.0], [2.0], [1.0], [9.0]])
+    seen, probes = [], []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "rank 1 stalled\n"
+
+    def run(cmd, timeout):
+        seen.append(cmd)
+        if len(seen) == 5:
+            return Failed()
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump(result(next(times), {"compute": [0.5]}, 2.0, {"compute": 0.5}), f)
+        return Done()
+
+    def probe():
+        probes.append(len(seen))
+        return {"cold_s": 1e-4}
+
+    row = bench.run_point(tiny_point(), MACHINE, run=run, probe=probe, launches=3)
+    assert row["status"] == "ok" and row["measured_launches_s"] == [1.0, 3.0, 2.0]
+    assert row["measured_s"] == 2.0 and row["error_pct"] == 0.0
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2] and probes == [0, 3]
+    row = bench.run_point(tiny_point(), MACHINE, run=run, launches=3)
+    assert row["status"] == "failed: launch 2 of 3: exit 1: rank 1 stalled"
+    assert "measured_s" not in row
+
+
 def test_points_in_another_machine_state_are_told_apart(capsys):
     """The state probes before and after a point, against the calibrated figures: a point
     where any figure moved beyond the band ran in another state (~), and the summary counts
@@ -175,6 +237,8 @@ def test_configs_use_the_ranks():
         (["--machine", "/nonexistent.yaml"], "--machine: no such file"),
         (["--machine", MACHINE, "--calibrate"], "not allowed with argument"),
         (["--restate", "--no-probe"], "--restate needs the state probe"),
+        (["--launches", "0"], "--launches: "),
+        (["--launches", "1.5"], "--launches: "),
         (["--restate", "--machine", MACHINE], "has no calibration.reuse.predicted_cold_s"),
     ],
 )
@@ -192,10 +256,11 @@ def test_script_end_to_end(tmp_path):
     # the whole script on one proxy: the none point, the rate from it, the model point, table
     out = tmp_path / "rows.json"
     cmd = [sys.executable, SCRIPT, "--machine", MACHINE, "--ranks", "2", "--proxies", "dlrm",
-           "--quick", "--json", str(out)]  # fmt: skip
+           "--quick", "--launches", "2", "--json", str(out)]  # fmt: skip
     r = launch.run(cmd, timeout=120)
     assert r.returncode == 0, r.stderr
-    table = r.stdout.split("# * error above 25%")[1]
+    stdout = r.stdout
+    table = stdout.split("# * error above 25%")[1]
     assert table.count("dlrm-tiny B=64, row-wise") == 2 and " TF " in table
     d = json.loads(out.read_text())
     none, model = d["rows"]
@@ -210,6 +275,8 @@ def test_script_end_to_end(tmp_path):
     assert d["calibrated_state"] == load(MACHINE).calibration["state"]
     assert table.count(" drift x") == 2 and "calibrated state" in table
     assert d["command"].startswith("python benchmarks/predict.py --machine")
+    assert d["launches"] == 2 and all(len(r["measured_launches_s"]) == 2 for r in (none, model))
+    assert "the median of 2 launches" in stdout and "points spread wider" in table
 
 
 @pytest.mark.mpi
