@@ -76,6 +76,9 @@ ITERS, WARMUP = 5, 2
 # same point on this VM differ by up to 50% (cosmoflow 2 ranks none: 5.1 to 7.6 ms in seven
 # launches in a row); the median launch is the point's measurement.
 LAUNCHES = 3
+# --per-state: at most this many machine files (a state seen only during its own calibration
+# would otherwise be calibrated again and again)
+MAX_CALIBRATIONS = 4
 # a point ran in the machine's calibrated state when every state figure its probes measured
 # before and after it is within this factor of the calibrated one (this VM's states differ
 # by 2x: a same-buffer allreduce x1.3 or x2.6 a cold one's, copies at 22 or 44 GB/s)
@@ -238,12 +241,15 @@ def run_point(
     probe: Callable[[], dict | None] | None = None,
     restate: Restate | None = None,
     launches: int = 1,
+    pick: Callable[[dict | None], tuple[str, int, dict | None]] | None = None,
 ) -> dict:
     """Run one point with --machine and --json, `launches` times in a row; the row: the
     point, status ("ok", or why it failed), and when ok the measured, predicted and error
     fields (see compare). `probe` (e.g. state_probe): the machine's state figures just
     before the first launch and just after the last, kept as the row's "state" [before,
-    after]. `restate` (with probe, see `restated`): the
+    after]. `pick` (with probe, e.g. Calibrations.pick): the machine file for the state the
+    probe before found, as (file, its number, its calibrated state), kept as the row's
+    "calibration" and "calibrated_state". `restate` (with probe, see `restated`): the
     point is predicted with reuse.reread = the probe's same-buffer time before it over the
     file's cold price of that call, and compute.memory scaled by the probe's copy rate over
     the calibration's, kept as the row's "restated_reread" and "restated_memory"."""
@@ -258,6 +264,8 @@ def run_point(
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         before = probe() if probe else None
+        if pick:
+            machine, row["calibration"], row["calibrated_state"] = pick(before)
         sets = []
         if restate and before and before.get("same_s"):
             row["restated_reread"] = float(f"{before['same_s'] / restate.cold_s:.4g}")
@@ -328,6 +336,52 @@ def calibrate(ranks: int, path: str, quick: bool, timeout: float) -> None:
         sys.exit(f"predict: calibrate failed: {last_line(r.stderr or r.stdout)}")
 
 
+class Calibrations:
+    """--per-state: one machine file per state of the machine the probes find, calibrated
+    when a point's probe finds a state no file so far was calibrated in (a state figure
+    beyond `band` of every file's calibrated one); each point is predicted with the file of
+    the nearest state to the one it starts in. `first`: the file calibrated (or given)
+    before the points; `run`: calibrate(ranks, path, quick, timeout)."""
+
+    def __init__(
+        self,
+        first: str,
+        ranks: int,
+        folder: str,
+        quick: bool = False,
+        timeout: float = 120,
+        band: float = STATE_BAND,
+        run: Callable | None = None,
+    ):
+        from proxies.calibrate.probe import calibrated_state
+
+        self.ranks, self.folder, self.quick, self.timeout = ranks, folder, quick, timeout
+        self.band, self.run = band, run or calibrate
+        self.files = [(first, calibrated_state(first))]
+
+    def pick(self, now: dict | None) -> tuple[str, int, dict | None]:
+        from proxies.calibrate.probe import calibrated_state
+        from proxies.calibrate.state import worst_drift
+
+        far = []
+        for k, (_, state) in enumerate(self.files):
+            w = worst_drift(now, state) if now and state else None
+            if w is None:  # no figures to compare: the first file
+                return self._file(0)
+            far.append((w[1], k))
+        nearest, k = min(far)
+        if nearest <= self.band or len(self.files) >= MAX_CALIBRATIONS:
+            return self._file(k)
+        path = os.path.join(self.folder, f"machine-{len(self.files) + 1}.yaml")
+        self.run(self.ranks, path, self.quick, self.timeout)
+        self.files.append((path, calibrated_state(path)))
+        print(f"# file {len(self.files)}: {machine_summary(path)[0]}", flush=True)
+        return self._file(len(self.files) - 1)
+
+    def _file(self, k: int) -> tuple[str, int, dict | None]:
+        return self.files[k][0], k + 1, self.files[k][1]
+
+
 @dataclass(frozen=True)
 class Restate:
     """What --restate needs of the machine file: the predicted seconds of the state's cold
@@ -371,11 +425,13 @@ def state_probe(timeout: float = 30) -> dict | None:
 
 
 def drift(row: dict, calibrated: dict | None) -> float | None:
-    """How far the row's machine state was from the calibrated one: the largest factor
-    (>= 1) of any state figure, before or after the run (None: unknown)."""
+    """How far the row's machine state was from the calibrated one (the row's own
+    "calibrated_state" with --per-state, else `calibrated`): the largest factor (>= 1) of any
+    state figure, before or after the run (None: unknown)."""
     from proxies.calibrate.state import worst_drift
 
     got = row.get("state")
+    calibrated = row.get("calibrated_state", calibrated)
     if calibrated is None or not got or None in got:
         return None
     worst = [worst_drift(d, calibrated) for d in got]
@@ -456,6 +512,7 @@ def print_table(rows: list[dict], target: float, calibrated: dict | None = None)
         miss = "  *" if abs(r["error_pct"]) > target else ""
         d = drift(r, calibrated)
         state = "" if d is None else f"  drift x{d:.2g}" + (" ~" if d > STATE_BAND else "")
+        state += f"  file {r['calibration']}" if "calibration" in r else ""
         spread = r.get("spread_pct")
         spread = "-" if spread is None or len(r.get("measured_launches_s", ())) < 2 else spread
         spread = spread if spread == "-" else f"{spread:.0f}%"
@@ -592,6 +649,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help=f"launches of each point, measured as the median launch ({LAUNCHES}; 1 with --quick)",
     )
+    p.add_argument(
+        "--per-state",
+        action="store_true",
+        help="calibrate again when a point's probe finds the machine in a state no machine "
+        "file so far was calibrated in (a state figure beyond the band), up to "
+        f"{MAX_CALIBRATIONS} files; each point is predicted with the file of the state it "
+        "starts in",
+    )
     p.add_argument("--details", action="store_true", help="every category of every point")
     p.add_argument("--json", metavar="OUT", help="write the machine and every row to OUT")
     return p
@@ -617,8 +682,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(cli.output_problem(args.json))  # before the points, not after them
     if args.machine and not os.path.isfile(args.machine):
         p.error(f"--machine: no such file: {args.machine}")
-    if args.restate and args.no_probe:
-        p.error("--restate needs the state probe: not with --no-probe")
+    if (args.restate or args.per_state) and args.no_probe:
+        p.error(f"{'--restate' if args.restate else '--per-state'} needs the state probe: not "
+                "with --no-probe")  # fmt: skip
+    if args.restate and args.per_state:
+        p.error("--restate and --per-state: one or the other (--per-state calibrates each state)")
     iters, warmup = (1, 1) if args.quick else (ITERS, WARMUP)
     launches = args.launches or (1 if args.quick else LAUNCHES)
     started = time.perf_counter()
@@ -645,9 +713,13 @@ def main(argv: list[str] | None = None) -> int:
             restate=restate,
             launches=launches,
         )
+        cals = None
+        if args.per_state:
+            cals = Calibrations(machine, max(args.ranks), tmp, args.quick, args.timeout)
+            timing["pick"] = cals.pick
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"# host: {cores} cores · machine file {machine}")
-        print(f"# {summary}")
+        print(f"# {'file 1: ' * args.per_state}{summary}")
         if restate:
             print(
                 f"# --restate: each point with reuse.reread = the probe's same-buffer 1 MiB "
@@ -711,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
                 "host_cores": cores,
                 "machine": summary,
                 "calibrated_state": calibrated,
+                "calibrations": [
+                    {"file": k + 1, "machine": machine_summary(path)[0], "state": state}
+                    for k, (path, state) in enumerate(cals.files)
+                ]
+                if cals
+                else None,
                 "launches": launches,
                 "mpi": mpi,
                 "seconds": total,

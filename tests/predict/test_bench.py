@@ -182,6 +182,43 @@ def test_each_launch_runs_and_a_failed_one_fails_the_point():
     assert "measured_s" not in row
 
 
+def test_per_state_calibrates_each_state_once(tmp_path, capsys):
+    """--per-state: a point starting in the first file's state uses it; one in a state beyond
+    the band calibrates a second file, which later points in that state reuse; a probe that
+    failed, the first file; past MAX_CALIBRATIONS files, the nearest state's."""
+    import yaml
+
+    text = open(MACHINE).read()
+    first = yaml.safe_load(text)["calibration"]["state"]  # the shipped file's state
+    calibrated = []
+
+    def run(ranks, path, quick, timeout):  # a calibration that finds the copies halved
+        calibrated.append((ranks, path))
+        d = yaml.safe_load(text)
+        d["calibration"]["state"] = first | {"copy": first["copy"] / 2}
+        with open(path, "w") as f:
+            yaml.safe_dump(d, f)
+
+    cals = bench.Calibrations(MACHINE, 4, str(tmp_path), run=run)
+    same = dict(first)
+    assert cals.pick(same) == (MACHINE, 1, first) and not calibrated
+    halved = first | {"copy": first["copy"] / 2.1}
+    path, k, state = cals.pick(halved)
+    assert (k, state["copy"]) == (2, first["copy"] / 2) and calibrated == [(4, path)]
+    assert cals.pick(first | {"copy": first["copy"] / 1.9})[1] == 2 and len(calibrated) == 1
+    assert cals.pick(None)[1] == 1 and cals.pick({})[1] == 1
+    assert "# file 2: " in capsys.readouterr().out
+    bench.MAX_CALIBRATIONS, saved = 2, bench.MAX_CALIBRATIONS
+    try:  # a third state, no room: the nearest (copies x1/3: file 2's x1/2)
+        assert cals.pick(first | {"copy": first["copy"] / 3})[1] == 2 and len(calibrated) == 1
+    finally:
+        bench.MAX_CALIBRATIONS = saved
+    # the row keeps the file and its state, which drift is measured against
+    row = {"state": [halved, halved], "calibrated_state": state}
+    assert bench.drift(row, first) == pytest.approx(2.1 / 2)  # not the first file's x2.1
+    assert bench.drift({"state": row["state"]}, first) == pytest.approx(2.1)
+
+
 def test_points_in_another_machine_state_are_told_apart(capsys):
     """The state probes before and after a point, against the calibrated figures: a point
     where any figure moved beyond the band ran in another state (~), and the summary counts
@@ -237,6 +274,8 @@ def test_configs_use_the_ranks():
         (["--machine", "/nonexistent.yaml"], "--machine: no such file"),
         (["--machine", MACHINE, "--calibrate"], "not allowed with argument"),
         (["--restate", "--no-probe"], "--restate needs the state probe"),
+        (["--per-state", "--no-probe"], "--per-state needs the state probe"),
+        (["--per-state", "--restate"], "--restate and --per-state: one or the other"),
         (["--launches", "0"], "--launches: "),
         (["--launches", "1.5"], "--launches: "),
         (["--restate", "--machine", MACHINE], "has no calibration.reuse.predicted_cold_s"),
