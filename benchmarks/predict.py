@@ -783,12 +783,16 @@ def main(argv: list[str] | None = None) -> int:
                 "host_cores": cores,
                 "machine": summary,
                 "calibrated_state": calibrated,
+                # the files themselves: each point can be predicted again from its file
                 "calibrations": [
-                    {"file": k + 1, "machine": machine_summary(path)[0], "state": state}
-                    for k, (path, state) in enumerate(cals.files)
-                ]
-                if cals
-                else None,
+                    {
+                        "file": k + 1,
+                        "machine": machine_summary(path)[0],
+                        "state": state,
+                        "yaml": read_text(path),
+                    }
+                    for k, (path, state) in enumerate(cals.files if cals else [(machine, None)])
+                ],
                 "launches": launches,
                 "mpi": mpi,
                 "seconds": total,
@@ -798,6 +802,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     # every point was tried and shown; the status says whether all of them ran (as sweeps)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+def read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def run_point_failed(point: Point, status: str) -> dict:

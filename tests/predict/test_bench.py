@@ -315,6 +315,7 @@ def test_script_end_to_end(tmp_path):
     assert table.count(" drift x") == 2 and "calibrated state" in table
     assert d["command"].startswith("python benchmarks/predict.py --machine")
     assert d["launches"] == 2 and all(len(r["measured_launches_s"]) == 2 for r in (none, model))
+    assert d["calibrations"][0]["yaml"] == open(MACHINE).read()  # predicted again from it
     assert "the median of 2 launches" in stdout and "points spread wider" in table
 
 
