@@ -329,6 +329,45 @@ def test_fit_weighs_each_kind_of_evidence_alike():
     assert _cost(truth, allreduces | a2a, 2, 2) < 1e-20
 
 
+def test_mpis_inplace_alltoall_pays_its_temporary_and_the_fit_finds_it():
+    """inplace_alltoall.temporary: MPI's in-place all-to-all costs each block once more at
+    that rate, on every exchange. Fitted where MPI's
+    all-to-all was measured: recovered from measurements of a machine that has it, and
+    left out of the file for one that has not."""
+    from proxies.calibrate.fit import ALLTOALL, fit
+
+    truth = replace(machine(rpn=2, intra=20e9, lat=3e-6), cores_per_node=2, node_bandwidth=40e9)
+    count = (32 << 20) // 4  # 16 MiB blocks
+
+    def a2a(m, alg="mpi", n=2):
+        return collective_seconds(m, "alltoall", alg, n, count, ranks_per_node=2)
+
+    paying = replace(truth, inplace_temporary=8e9)
+    assert math.isclose(a2a(paying) - a2a(truth), (16 << 20) / 8e9, rel_tol=1e-9)
+    # 4 ranks: on each exchange of MPICH's order's longest chain, 5 of them
+    assert math.isclose(a2a(paying, n=4) - a2a(truth, n=4), 5 * (8 << 20) / 8e9, rel_tol=1e-6)
+    sizes = [64 << 10, 1 << 20, 16 << 20, 32 << 20]
+    allreduces = {
+        a: [(s, collective_seconds(truth, "allreduce", a, 2, s // 4, ranks_per_node=2))
+            for s in sizes] for a in ("ring", "rhd", "rd")
+    }  # fmt: skip
+    start = replace(truth, intra=Level(2e-6, 20e9))  # the rate starts at one more copy
+    for m, want in ((paying, 8e9), (truth, None)):
+        measured = {
+            f"{ALLTOALL}mpi": [
+                (s, collective_seconds(m, "alltoall", "mpi", 2, s // 4, ranks_per_node=2))
+                for s in sizes
+            ]
+        }
+        fitted, record = fit(start, allreduces | measured, 2, 2)
+        assert math.isclose(fitted.intra.bandwidth, 20e9, rel_tol=0.1)
+        if want is None:
+            assert fitted.inplace_temporary is None and "inplace_temporary" not in record["fitted"]
+        else:
+            assert math.isclose(fitted.inplace_temporary, want, rel_tol=0.15)
+            assert record["fitted"]["inplace_temporary"] == fitted.inplace_temporary
+
+
 def test_slept_compute_lasts_wake_longer():
     # --compute model sleeps each op's time, and a sleep ends engine.wake late (the kernel's
     # timer slack); an op of no time is not slept at all
