@@ -293,6 +293,7 @@ def run_point(
                     results.append(json.load(f))
                 os.remove(out)
             except (OSError, ValueError) as e:
+                row["wall_s"] = time.perf_counter() - t0
                 row["status"] = f"failed: {which}no result ({type(e).__name__}: {e})"
                 return row
         row["wall_s"] = time.perf_counter() - t0
@@ -476,6 +477,8 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
         parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
+    if m.inplace_temporary is not None:
+        parts.append(f"in-place all-to-all's temporary {m.inplace_temporary / g:.3g} GB/s")
     if isinstance(m.calibration.get("state"), dict):
         from proxies.calibrate.describe import state_text
 
