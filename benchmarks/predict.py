@@ -516,9 +516,8 @@ def print_table(rows: list[dict], target: float, calibrated: dict | None = None)
         d = drift(r, calibrated)
         state = "" if d is None else f"  drift x{d:.2g}" + (" ~" if d > STATE_BAND else "")
         state += f"  file {r['calibration']}" if "calibration" in r else ""
-        spread = r.get("spread_pct")
-        spread = "-" if spread is None or len(r.get("measured_launches_s", ())) < 2 else spread
-        spread = spread if spread == "-" else f"{spread:.0f}%"
+        several = len(r.get("measured_launches_s", ())) > 1  # one launch: no spread
+        spread = f"{r['spread_pct']:.0f}%" if several else "-"
         print(
             f"{lead} {r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s "
             f"{pct(r['error_pct']):>7} {spread:>6}  {worst}{miss}{state}"

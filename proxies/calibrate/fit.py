@@ -236,10 +236,10 @@ def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
     (dropped where it adds under TEMPORARY_MIN_SHARE to the largest one)."""
     params, top = _params(m), {}
     if measured.get(f"{ALLTOALL}mpi") and n >= 2:
-        m = replace(m, inplace_temporary=m.inplace_temporary or _temporary_start(m))
+        copy = _temporary_start(m)
+        m = replace(m, inplace_temporary=m.inplace_temporary or copy)
         params = [*params, TEMPORARY]
-        # 256 x one more copy: far under TEMPORARY_MIN_SHARE, which then drops it
-        top[TEMPORARY] = 256 * _temporary_start(m)
+        top[TEMPORARY] = 256 * copy  # far under TEMPORARY_MIN_SHARE, which then drops it
     before = {p: _get(m, p) for p in params}
     m, start, best = _search(m, params, measured, n, rpn, top=top)
     if TEMPORARY in params and _temporary_share(m, measured, n) < TEMPORARY_MIN_SHARE:
