@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             odd = m.calibration.get("oversubscribed_unexpected")
             if odd:
                 taken = unexpected.fitted(odd, m, n, topo.ranks_per_node)
-                m = replace(m, oversub_unexpected=sig(taken, 2))
+                m = replace(m, oversub_unexpected=sig(taken))
             say(
                 f"  oversubscribed fit: rms of log(predicted / measured) "
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
