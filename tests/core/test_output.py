@@ -129,6 +129,45 @@ def test_layout_prefers_wrapping_then_abbreviating_then_splitting():
     assert tables.layout(cols, rows, 7 + 4 + 3 - 1) == {"parts": [[0], [1]], "short": True}
 
 
+def long_table(rows: int, cell=lambda k: f"send mb {k % 7}"):
+    cols = [Column("#", key=True), Column("op", number=False), Column("bytes sent"), Column("peer")]
+    data: list = [None]  # a section before the first row draws nothing
+    for k in range(rows):
+        data.append([str(k), cell(k), f"{k * 1000:,}", "" if k % 3 else "1"])
+        if k % 97 == 3:
+            data += [None, None]  # two in a row: one rule
+    return cols, data + [None]  # nor one after the last
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("title", ["rank 0 (stage 0): ops in order", "a title " * 12])
+def test_long_tables_are_drawn_as_rich_draws_them(monkeypatch, width, title):
+    """Above DRAWN_ROWS rows the table is drawn line by line, character for character what
+    rich's Table prints (a title longer than the table wraps as rich wraps it)."""
+    cols, rows = long_table(300)
+    printed = {}
+    for drawn in (10**9, 100):
+        monkeypatch.setattr(tables, "DRAWN_ROWS", drawn)
+        out = recorder(width)
+        tables.show(out, title, cols, rows, note="a note")
+        printed[drawn] = text_of(out)
+    assert printed[100] == printed[10**9]
+    assert printed[100].count("├") == 4  # after rows 3, 100, 197, 294; none after the last
+
+
+@pytest.mark.parametrize("cell", [lambda k: "[bold]x[/bold]", lambda k: "a word " * (k // 50)])
+def test_long_tables_with_markup_or_wrapped_cells_are_left_to_rich(monkeypatch, cell):
+    """A cell with markup, or one its column must wrap (width 80), is rich's to print."""
+    cols, rows = long_table(300, cell)
+    monkeypatch.setattr(tables, "DRAWN_ROWS", 100)
+    out = recorder(80)
+    heads, widths = ["#", "op", "b", "p"], [3, 20, 7, 4]
+    assert not tables._draw(out, "t", cols, rows, [0, 1, 2, 3], heads, widths)
+    assert text_of(out) == ""
+    tables.show(out, "t", cols, rows)
+    assert "[bold]" not in text_of(out)
+
+
 def test_words():
     assert tables.plural(1, "rank") == "1 rank"
     assert tables.plural(2, "rank") == "2 ranks"
