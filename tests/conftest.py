@@ -32,6 +32,11 @@ def pytest_configure(config) -> None:
     # `pytest -m "not mpi and not slow"`: the seconds-long inner loop (README, "Development").
     config.addinivalue_line("markers", "mpi: starts MPI (mpiexec, or a proxy run that inits MPI)")
     config.addinivalue_line(
+        "markers",
+        "one_mpi: what it checks does not depend on the MPI library (a schedule, a data file,"
+        " an algorithm of ours built on the calls other tests run): CI's Open MPI run skips it",
+    )
+    config.addinivalue_line(
         "markers", "slow: starts a process (a CLI end to end, a build) or runs for seconds"
     )
 

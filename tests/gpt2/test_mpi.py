@@ -44,6 +44,7 @@ def test_every_layout_trains_like_one_process(tmp_path):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ranks, stages)
 
 
+@pytest.mark.one_mpi
 def test_gpipe_and_megatron_order_train_the_same(tmp_path):
     ref = losses(tmp_path, 4, 4, 2, 4)
     for extra in (["--schedule", "gpipe"], ["--order", "megatron"]):
@@ -54,9 +55,9 @@ def test_gpipe_and_megatron_order_train_the_same(tmp_path):
 @pytest.mark.parametrize(
     "ranks,stages,extra",
     [
-        (4, 2, ["--grad-sync", "per-tensor"]),
+        pytest.param(4, 2, ["--grad-sync", "per-tensor"], marks=pytest.mark.one_mpi),
         (4, 2, ["--zero", "1", "--check"]),
-        (3, 1, ["--zero", "1", "--micro-batch", "1"]),
+        pytest.param(3, 1, ["--zero", "1", "--micro-batch", "1"], marks=pytest.mark.one_mpi),
     ],
 )
 def test_gradient_sync_options_train_the_same(tmp_path, ranks, stages, extra):
@@ -70,7 +71,13 @@ def test_gradient_sync_options_train_the_same(tmp_path, ranks, stages, extra):
         assert {"dp_reduce_scatter", "dp_allgather"} <= set(got["breakdown_s"])
 
 
-@pytest.mark.parametrize("alg", ["ring", "rhd", "dbtree", "hier", "tree", "naive"])
+# ring runs under every MPI; the others use the same calls
+OTHER_ALGS = ("rhd", "dbtree", "hier", "tree", "naive")
+
+
+@pytest.mark.parametrize(
+    "alg", ["ring", *(pytest.param(a, marks=pytest.mark.one_mpi) for a in OTHER_ALGS)]
+)
 def test_allreduce_algorithms_train_the_same(tmp_path, alg):
     """Our allreduces over point-to-point (3 data-parallel replicas: not a power of two)."""
     ref = losses(tmp_path, 1, 4, 1, 6)
@@ -156,6 +163,7 @@ def test_a_crashing_rank_ends_the_job_with_one_traceback():
     assert r.stderr.count("Traceback") == 1
 
 
+@pytest.mark.one_mpi
 def test_llmc_token_file_trains_the_same_in_every_layout(tmp_path):
     import numpy as np
 

@@ -36,7 +36,8 @@ def test_layout_lists_every_folder():
         f + "/"
         for f in sorted(os.listdir(ROOT))
         if os.path.isdir(os.path.join(ROOT, f))
-        and f not in (".git", ".venv", "results")
+        and f not in (".git", ".venv", "results", "build")
+        and not f.startswith(".venv-")  # dev.sh's other MPIs' venvs (.gitignore)
         and not f.endswith(("_cache", ".egg-info"))
         and not f.startswith("__")
     ]

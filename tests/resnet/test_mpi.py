@@ -86,6 +86,7 @@ def test_communication_only_runs_every_policy(tmp_path, sync):
     assert got["bytes"]["dp_allreduce"] == [4 * 34_962] * 2
 
 
+@pytest.mark.one_mpi
 def test_cpp_resnet152_buckets_train_resnet152(tmp_path):
     """Real compute with the C++ ResNet-152's ten buckets (they end at tensor boundaries):
     2 replicas train as one process does. Float32 and one BLAS thread on both sides (the

@@ -1,6 +1,6 @@
 """Context parallelism with real compute under mpiexec (driver: tests/cp_driver.py, many
-configurations per process group): every split x comm at cp 4 alone and at cp 2 with pp 2 /
-dp 2 / tp 2, covering subsets at cp 2 alone and at cp 4 with each, trains exactly as the
+configurations per process group): every split x comm at cp 4 alone, covering subsets at
+cp 2 alone and at cp 2 and cp 4 with each of pp 2 / dp 2 / tp 2, trains exactly as the
 one-process model (losses relative 1e-5); the key/value gradient reductions of
 --cp-grad-reduce; gpt2; --check on real runs."""
 
@@ -47,7 +47,7 @@ def check_losses(results: list[dict], runs: list[list[str]], want) -> None:
         assert got["loss"] == pytest.approx(want, rel=1e-5), " ".join(argv)
 
 
-# cp 2 alone: each split and each comm once (every pair at cp 2 runs with each of pp 2,
+# cp 2 alone: each split and each comm once (every pair at cp 2 runs with one of pp 2,
 # dp 2 and tp 2 below); cp 4 alone: every pair
 ALONE = {2: [(s, cpsplit.COMMS[i]) for i, s in enumerate(cpsplit.SPLITS)], 4: ALL}
 
@@ -61,19 +61,28 @@ def test_every_split_and_comm_alone_equals_one_process(tmp_path, n):
     check_losses(drive(tmp_path, n, runs), runs, want)
 
 
-@pytest.mark.parametrize(
-    "extra,samples",
-    [(("2", "2", "--micro-batches", "2"), 2), (("2", "1", "--micro-batches", "2"), 4),
-     (("2", "1", "--micro-batches", "2", "--tp", "2"), 2)],
-    ids=["pp2", "dp2", "tp2"],
-)  # fmt: skip
-def test_cp2_with_pp_dp_tp_equals_one_process(tmp_path, extra, samples):
-    """cp 2 x (pp 2 | dp 2 | tp 2) on 4 ranks, every split x comm (tp 2: sequence parallel
-    for the zigzag ones): the losses of the one-process model on the same samples."""
+# cp 2 with each layout: each split and each comm once per layout, all 9 pairs across the
+# three (and, with cp 4's pairs below, 6 of the 9 per layout)
+CP2 = {
+    "pp2": [("contiguous", "ring"), ("interleaved", "alltoall"), ("zigzag", "allgather")],
+    "dp2": [("contiguous", "alltoall"), ("interleaved", "allgather"), ("zigzag", "ring")],
+    "tp2": [("contiguous", "allgather"), ("interleaved", "ring"), ("zigzag", "alltoall")],
+}
+LAYOUTS = [
+    (("2", "2", "--micro-batches", "2"), 2, "pp2"),
+    (("2", "1", "--micro-batches", "2"), 4, "dp2"),
+    (("2", "1", "--micro-batches", "2", "--tp", "2"), 2, "tp2"),
+]
+
+
+@pytest.mark.parametrize("extra,samples,layout", LAYOUTS, ids=["pp2", "dp2", "tp2"])
+def test_cp2_with_pp_dp_tp_equals_one_process(tmp_path, extra, samples, layout):
+    """cp 2 x (pp 2 | dp 2 | tp 2) on 4 ranks, the pairs of CP2[layout] (tp 2: sequence
+    parallel for zigzag): the losses of the one-process model on the same samples."""
     want, _ = reference(2, samples)
     layers, stages, *rest = extra
     runs = []
-    for s, c in ALL:
+    for s, c in CP2[layout]:
         sp = ["--sequence-parallel"] if "--tp" in rest and s == "zigzag" else []
         runs.append(cp_run(2, s, c, layers, stages, *rest, *sp))
     runs[-1].append("--check")
@@ -117,7 +126,7 @@ def test_gpt2_cp_equals_one_process(tmp_path):
 
 # cp 4 with each layout: each split and each comm at least once per layout; together 8 of
 # the 9 split x comm pairs (contiguous x alltoall needs the 2 heads per tp rank to split over
-# 4: not with tp 2; at cp 4 alone above). Every pair with each layout at cp 2: above.
+# 4: not with tp 2; at cp 4 alone above).
 CP4 = {
     "pp2": [("contiguous", "allgather"), ("interleaved", "ring"), ("zigzag", "alltoall")],
     "dp2": [("contiguous", "ring"), ("interleaved", "alltoall"), ("zigzag", "allgather")],
@@ -126,13 +135,7 @@ CP4 = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra,samples,layout",
-    [(("2", "2", "--micro-batches", "2"), 2, "pp2"),
-     (("2", "1", "--micro-batches", "2"), 4, "dp2"),
-     (("2", "1", "--micro-batches", "2", "--tp", "2"), 2, "tp2")],
-    ids=["pp2", "dp2", "tp2"],
-)  # fmt: skip
+@pytest.mark.parametrize("extra,samples,layout", LAYOUTS, ids=["pp2", "dp2", "tp2"])
 def test_cp4_with_pp_dp_tp_equals_one_process(tmp_path, extra, samples, layout):
     """cp 4 x (pp 2 | dp 2 | tp 2) on 8 ranks, the pairs of CP4[layout]."""
     want, _ = reference(2, samples)

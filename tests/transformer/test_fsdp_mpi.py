@@ -55,6 +55,7 @@ def test_fsdp_on_2_ranks_with_check_and_its_traffic(tmp_path):
     assert_three_times_the_parameters(single, runs[1], 2)
 
 
+@pytest.mark.one_mpi  # the 2-rank test runs FSDP's calls under every MPI
 def test_fsdp_on_4_ranks_equals_one_process(tmp_path):
     """dp 4, pp 2 x dp 2 (the tied wte's shards summed over the embedding group), tp 2 x
     dp 2, HSDP 2 x 2; gpt2 at pp 2 x dp 2."""
