@@ -53,7 +53,7 @@ GPT3 += ["--compute", "model", "--device-tflops", "0.25", "--iters", "2", "--war
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("m", [4, 16])
+@pytest.mark.parametrize("m", [4, 8])
 def test_balanced_pipeline_idle_is_the_bubble(tmp_path, m, schedule):
     result = run(
         tmp_path, 4, "proxies.gpt3", *GPT3, "--micro-batches", str(m), "--schedule", schedule
