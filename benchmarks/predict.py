@@ -477,8 +477,6 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
         parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
-    if m.inplace_temporary is not None:
-        parts.append(f"in-place all-to-all's temporary {m.inplace_temporary / g:.3g} GB/s")
     if isinstance(m.calibration.get("state"), dict):
         from proxies.calibrate.describe import state_text
 

@@ -82,14 +82,6 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "threshold (calibration.fresh_memory.from_mpi); if that is noise, filling a new "
             "4 KiB-page mapping less filling mapped memory (fill_rate)."
         )
-    if m.inplace_temporary is not None:
-        out["inplace_alltoall"] = (
-            "temporary: fitted with the network figures to MPI's in-place all-to-all "
-            "(calibration.alltoall.mpi), each block's bytes once more at this rate beyond "
-            "the block's copy and exchange: MPICH's temporary per exchange (the fit's start: "
-            "one more copy at compute.memory; none where it would add under 2% to the "
-            "largest call)."
-        )
     if m.reread is not None:
         out["reuse"] = (
             "reread: an in-place 1 MiB MPI_Allreduce on two ranks, measured on the buffer "
@@ -157,11 +149,6 @@ def summary(m: Machine, topo: Topology) -> None:
         print(
             f"  fresh_memory  MPI's temporaries above {q(m.fresh_above, 'count')} faulted in "
             f"at {q(m.fault_rate, 'bandwidth')}"
-        )
-    if m.inplace_temporary is not None:
-        print(
-            f"  inplace_alltoall  MPI's in-place all-to-all: each block once more at "
-            f"{q(m.inplace_temporary, 'bandwidth')}"
         )
     if m.reread is not None:
         print(

@@ -174,22 +174,16 @@ def _cost(m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = False) 
     return sum(sum(e) / len(e) for e in errs.values()) / max(len(errs), 1)
 
 
-def _search(
-    m: Machine, params, measured, n, rpn, with_mpi=False, top: dict | None = None
-) -> tuple[Machine, float, float]:
-    """Coordinate search in log space over `params`: (machine, cost before, cost after).
-    `top`: the largest value a parameter may take (a rate whose cost vanishes above it)."""
+def _search(m: Machine, params, measured, n, rpn, with_mpi=False) -> tuple[Machine, float, float]:
+    """Coordinate search in log space over `params`: (machine, cost before, cost after)."""
     best = _cost(m, measured, n, rpn, with_mpi)
     start = best
-    top = top or {}
     for factor in FACTORS:
         improved = True
         while improved:
             improved = False
             for p in params:
                 for f in (factor, 1 / factor):
-                    if _get(m, p) * f > top.get(p, math.inf):
-                        continue
                     trial = _set(m, p, _get(m, p) * f)
                     c = _cost(trial, measured, n, rpn, with_mpi)
                     if c < best * (1 - 1e-9):
@@ -207,44 +201,12 @@ def _residuals(m: Machine, measured: dict, n: int, rpn: int, with_mpi: bool = Fa
     }
 
 
-# MPI's in-place all-to-all: its temporary's extra cost (inplace_alltoall.temporary) is fitted
-# with the network figures where it was measured, from one more copy of each block; kept only
-# where it adds at least this share to the largest measured call (else the file has none)
-TEMPORARY = "inplace_temporary"
-TEMPORARY_MIN_SHARE = 0.02
-
-
-def _temporary_start(m: Machine) -> float:
-    """One more copy of each block: bytes read + written at the memory rate."""
-    return (m.memory_bandwidth or m.intra.bandwidth) / 2
-
-
-def _temporary_share(m: Machine, measured: dict, n: int) -> float:
-    """The share of the largest measured MPI all-to-all its temporary's cost makes."""
-    points = measured.get(f"{ALLTOALL}mpi") or []
-    if not points or not m.inplace_temporary or n < 2:
-        return 0.0
-    size, t = max(points)
-    block = _count("alltoall", size, n) // n * 4
-    return (n - 1) * block / m.inplace_temporary / t if t > 0 else 0.0
-
-
 def fit(m: Machine, measured: dict, n: int, rpn: int) -> tuple[Machine, dict]:
     """The machine with its network figures fitted to `measured` ({alg: [(bytes,
-    seconds)]}), and a record: the figures before and after, the cost, every residual.
-    Where MPI's in-place all-to-all was measured, its temporary's rate is fitted with them
-    (dropped where it adds under TEMPORARY_MIN_SHARE to the largest one)."""
-    params, top = _params(m), {}
-    if measured.get(f"{ALLTOALL}mpi") and n >= 2:
-        copy = _temporary_start(m)
-        m = replace(m, inplace_temporary=m.inplace_temporary or copy)
-        params = [*params, TEMPORARY]
-        top[TEMPORARY] = 256 * copy  # far under TEMPORARY_MIN_SHARE, which then drops it
+    seconds)]}), and a record: the figures before and after, the cost, every residual."""
+    params = _params(m)
     before = {p: _get(m, p) for p in params}
-    m, start, best = _search(m, params, measured, n, rpn, top=top)
-    if TEMPORARY in params and _temporary_share(m, measured, n) < TEMPORARY_MIN_SHARE:
-        m = replace(m, inplace_temporary=None)
-        best = _cost(m, measured, n, rpn)
+    m, start, best = _search(m, params, measured, n, rpn)
     m = _unbind(m, "intra.bandwidth", "node_bandwidth")
     residuals = _residuals(m, measured, n, rpn)
     table = mpi_table(m, measured.get("mpi", []), n, rpn)

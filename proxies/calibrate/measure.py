@@ -345,22 +345,25 @@ def mpi_alltoall(
     wait: Callable | None = None,
     barrier: Callable[[], None] | None = None,
 ) -> list[tuple[int, float]]:
-    """Seconds per in-place MPI_Alltoall of float32 arrays of each size (bytes per rank, the
-    whole array, in comm.size equal blocks), as the proxies' embedding and expert
-    exchanges call it: [(bytes, seconds)], timed as allreduce_measurements times (cold
-    buffers, the slowest rank, the median). `wait`: Ialltoall completed by it instead."""
+    """Seconds per MPI_Alltoall of float32 arrays of each size (bytes per rank, the whole
+    array, in comm.size equal blocks), as the proxies' embedding and expert exchanges call
+    it: out of place, from a cold buffer into one kept across calls (the engine's pooled
+    receive buffer): [(bytes, seconds)], timed as allreduce_measurements times (the slowest
+    rank, the median). `wait`: Ialltoall completed by it instead."""
     barrier = barrier or comm.Barrier
     n = comm.size
     arena = Arena(max(sizes), np.float32)
+    kept = np.zeros(max(max(s // 4 // n, 1) * n for s in sizes), np.float32)
     out = []
     for size in sizes:
         count = max(size // 4 // n, 1) * n
 
         def call(buf):
+            recv = kept[: buf.size]
             if wait is None:
-                comm.Alltoall(MPI.IN_PLACE, buf)
+                comm.Alltoall(buf, recv)
             else:
-                wait([comm.Ialltoall(MPI.IN_PLACE, buf)])
+                wait([comm.Ialltoall(buf, recv)])
 
         seconds = cold_calls(comm, MPI, call, arena, count * 4, reps, warmup, barrier)
         out.append((count * 4, seconds))

@@ -16,8 +16,9 @@ reduces (-o) and whether it has a root (-r). Sizes follow nccl-tests' per-op con
 
 For the blocked ops the count is rounded down to a whole block per rank (nccl-tests does
 the same, to 16-byte blocks). Collectives run in place on one buffer, as our algorithms
-do; sendrecv sends to rank r+1 and receives from rank r-1 into a second buffer (nccl-tests'
-ring of pairs).
+do, except MPI's all-to-all, which receives into a second buffer as the proxies' (and
+nccl-tests') all-to-alls do; sendrecv sends to rank r+1 and receives from rank r-1 into a
+second buffer (nccl-tests' ring of pairs).
 
 The check (-c): every rank fills its buffer from check_inputs(op, redop, count, rank), one
 call runs, and each rank counts the elements of its result that differ from what NumPy
@@ -142,8 +143,9 @@ def _mpi_call(MPI, op: str, comm, x, redop: str, root: int, recv, wait):
         off = bounds(x.size, n)
         spec = [w, ([off[i + 1] - off[i] for i in range(n)], off[:-1])]
         req = comm.Iallgatherv(MPI.IN_PLACE, spec) if nb else comm.Allgatherv(MPI.IN_PLACE, spec)
-    elif op == "alltoall":
-        req = comm.Ialltoall(MPI.IN_PLACE, w) if nb else comm.Alltoall(MPI.IN_PLACE, w)
+    elif op == "alltoall":  # out of place, as nccl-tests and the proxies call it
+        into = words(recv)
+        req = comm.Ialltoall(w, into) if nb else comm.Alltoall(w, into)
     elif op == "broadcast":
         req = comm.Ibcast(w, root=root) if nb else comm.Bcast(w, root=root)
     elif op == "reduce":

@@ -11,7 +11,6 @@
                      op_overhead: 400 us, wake: 1 ms,
                      mpi_latency: 3 ms, unexpected: 1}       # optional: ranks > cores
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
-    inplace_alltoall: {temporary: 10 GB/s}                   # optional: MPI's in-place a2a
     reuse: {cache: 16 MiB, reread: 1.3}                      # optional: reused buffers
     engine: {op_overhead: 20 us, wake: 70 us}                # optional
     unmeasured: [inter_node]                                 # optional (calibrate)
@@ -24,11 +23,6 @@ op_overhead only when a run places more ranks on a node than cores_per_node, so 
 file (never oversubscribed) is unaffected. `fresh_memory`: MPI's temporary buffers above
 `above` bytes are fresh mappings (glibc's mmap threshold) faulted in on every call at
 `rate` bytes/s; the predictor charges that on the reductions of MPI's own collectives.
-`inplace_alltoall.temporary`: MPI's in-place all-to-all, beyond its copy of each block into
-a temporary and its exchange, costs each block's bytes once more at this rate (MPICH's
-per-exchange temporary: on the VM this was developed on a copy into a temporary allocated
-per call plus the exchange took twice the time of the same with one temporary kept, with
-no page faults; calibrate fits it to MPI's in-place all-to-all).
 `reuse`: a collective MPI runs itself on a buffer its rank used again within `cache` bytes
 (the distinct bytes of the rank's buffers touched since; its share of the caches) costs
 `reread` x per byte moved, added and copied, over the price of the cold buffers the other
@@ -117,8 +111,6 @@ class Machine:
     # MPI's temporaries above fresh_above bytes are faulted in at fault_rate bytes/s
     fresh_above: int | None = None
     fault_rate: float | None = None
-    # MPI's in-place all-to-all: each block's bytes once more at this rate (None: not)
-    inplace_temporary: float | None = None
     # a collective MPI runs on a buffer reused within reuse_cache bytes costs reread x per byte
     reuse_cache: int | None = None
     reread: float | None = None
@@ -161,7 +153,6 @@ SECTIONS: dict[str, dict[str, str]] = {
         "unexpected": "number",
     },
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
-    "inplace_alltoall": {"temporary": "bandwidth"},
     "reuse": {"cache": "count", "reread": "factor"},
     "engine": {"op_overhead": "time", "wake": "time"},
 }
@@ -374,7 +365,6 @@ def from_mapping(
         oversub_unexpected=fig.get("oversubscribed.unexpected"),
         fresh_above=int(fig["fresh_memory.above"]) if fig.get("fresh_memory.above") else None,
         fault_rate=fig.get("fresh_memory.rate"),
-        inplace_temporary=fig.get("inplace_alltoall.temporary"),
         reuse_cache=int(fig["reuse.cache"]) if fig.get("reuse.cache") else None,
         reread=fig.get("reuse.reread"),
         op_overhead=fig.get("engine.op_overhead") or 0.0,
@@ -498,8 +488,6 @@ def to_mapping(m: Machine) -> dict:
             "above": q(m.fresh_above, "count"),
             "rate": q(m.fault_rate, "bandwidth"),
         }
-    if m.inplace_temporary is not None:
-        out["inplace_alltoall"] = {"temporary": q(m.inplace_temporary, "bandwidth")}
     if m.reuse_cache is not None and m.reread is not None:
         out["reuse"] = {"cache": q(m.reuse_cache, "count"), "reread": float(m.reread)}
     engine = {}

@@ -149,15 +149,19 @@ def blas_workspace() -> int:
 
 def comm_parts(plan: Plan) -> dict[str, int]:
     """What the communication itself needs beside the proxy's buffers: MPI's scratch for the
-    largest collective over two or more ranks, and 16-bit wire copies (core/wire.py's
-    Staging) of the largest collective and the largest point-to-point op in flight."""
+    largest collective over two or more ranks, and the engine's pooled wire buffers
+    (core/wire.py's Staging): 16-bit copies of the largest collective and the largest
+    point-to-point op in flight, and an all-to-all's receive buffer (with its 16-bit send
+    copy where the wire is 16-bit)."""
     sizes = {name: len(members) for name, members in plan.groups.items()}
     largest = stage_c = stage_p = 0
     for op in plan.ops:
         if isinstance(op, Collective):
             if sizes.get(op.group, 2) > 1:
                 largest = max(largest, op.count * 4)  # reduced in float32 compute buffers
-            if itemsize(op.dtype) < 4:
+            if op.kind == "alltoall":
+                stage_c = max(stage_c, op.nbytes * (2 if itemsize(op.dtype) < 4 else 1))
+            elif itemsize(op.dtype) < 4:
                 stage_c = max(stage_c, op.nbytes)
         elif isinstance(op, P2P):
             n = sum(m.nbytes for m in (*op.sends, *op.recvs) if itemsize(m.dtype) < 4)

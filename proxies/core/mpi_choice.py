@@ -12,14 +12,15 @@ from proxies.core.machine import ANY
 # What MPICH runs when the machine file does not say (its default selection, MPICH 4):
 # recursive doubling for short allreduces, Rabenseifner's reduce-scatter + allgather above;
 # allgather by recursive doubling up to 80 KiB in all, ring above; reduce-scatter by
-# recursive halving (commutative sums); all-to-all in place (the engine always passes
-# MPI_IN_PLACE: MPICH then swaps blocks pair by pair in one global order, whatever the
-# size); all-to-all-v pairwise (separate buffers); binomial broadcast and reduce.
+# recursive halving (commutative sums); all-to-all and all-to-all-v pairwise (the engine
+# passes separate send and receive buffers; MPICH posts short messages' exchanges at once,
+# "scattered", which on the predictor's links costs what pairwise does but for latencies);
+# binomial broadcast and reduce.
 MPICH_DEFAULTS: dict[str, list[tuple[int, str]]] = {
     "allreduce": [(2048, "rd"), (ANY, "rhd")],
     "allgather": [(80 << 10, "rd"), (ANY, "ring")],
     "reduce_scatter": [(ANY, "rh")],
-    "alltoall": [(ANY, "inplace")],
+    "alltoall": [(ANY, "pairwise")],
     "alltoallv": [(ANY, "pairwise")],
     "bcast": [(ANY, "binomial")],
     "reduce": [(ANY, "binomial")],

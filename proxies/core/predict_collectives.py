@@ -65,14 +65,12 @@ class CollectiveSim:
                 inst.reread = self.reread  # on a buffer its creator's rank reused
             machine = self.topo.machine
             if op.kind == "alltoall" and alg == "inplace":
-                # MPICH's in-place all-to-all receives each block into a temporary of the
-                # block's size (Sendrecv_replace) and copies it back: a fresh one faults,
-                # and MPI's costs the block once more (inplace_alltoall.temporary)
+                # MPICH's in-place all-to-all (a machine file's `mpi:` table may name it)
+                # receives each block into a temporary of the block's size
+                # (Sendrecv_replace) and copies it back: a fresh one faults
                 inst.copy_fault = self.share * fault_seconds_per_byte(
                     machine, inst.library, op.nbytes // len(members)
                 )
-                if inst.library and machine.inplace_temporary:
-                    inst.copy_fault += self.share / machine.inplace_temporary
             else:
                 inst.fault = self.share * fault_seconds_per_byte(machine, inst.library, op.nbytes)
         elif (inst.op.kind, inst.op.count, inst.op.dtype) != (op.kind, op.count, op.dtype):

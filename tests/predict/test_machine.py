@@ -212,13 +212,7 @@ ERRORS = [
     ("switch.nodes_per_switch", -4, "switch.nodes_per_switch", ["positive integer"]),
     ("inter_node", DELETE, "switch", ["needs inter_node"]),
     ("compute", "fast", "compute", ["expected a mapping"]),
-    (
-        "inplace_alltoall",
-        {"temporary": "-1 GB/s"},
-        "inplace_alltoall.temporary",
-        ["not a positive, finite bandwidth"],
-    ),
-    ("inplace_alltoall", {"temporary": 9}, "inplace_alltoall.temporary", ["bare number 9"]),
+    ("fresh_memory", {"above": "32 MiB", "rate": 9}, "fresh_memory.rate", ["bare number 9"]),
     ("mpi.allreduce", [["2 KiB", "rign"], ["any", "rhd"]], "mpi.allreduce", ["'rign'", "'ring'"]),
     ("mpi.allreduce", [["2 KiB", "tree"]], "mpi.allreduce", ["last entry must be [any, ALG]"]),
     ("mpi.allreduce", [["any", "tree"], ["any", "rhd"]], "mpi.allreduce", ["must be the last"]),
@@ -414,7 +408,6 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
         oversub_op_overhead=9e-6,
         oversub_wake=2.75e-4,
         oversub_mpi_latency=2.1e-3,
-        inplace_temporary=1.25e10,
         wake=6.8e-5,
     )
     out = str(tmp_path / "m.yaml")
@@ -431,7 +424,6 @@ def test_dump_round_trips_odd_values_with_comments(tmp_path):
     assert math.isclose(back.oversub_wake, 2.75e-4)
     assert math.isclose(back.oversub_mpi_latency, 2.1e-3)
     assert "  mpi_latency: 2.1 ms" in text
-    assert back.inplace_temporary == 1.25e10 and "  temporary: 12.5 GB/s" in text
 
 
 # -- the command-line options (on a bare parser: the proxies wire them in) ------------------------

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from proxies.core.machine import Level, MachineError, dumps, load
+from proxies.core.machine import ANY, Level, MachineError, dumps, load
 from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
@@ -224,10 +224,12 @@ def test_no_fresh_cost_below_the_threshold_nor_for_our_own_programs():
 
 @pytest.mark.parametrize("detail", ["steps", "coarse"])
 def test_in_place_alltoall_faults_its_block_sized_temporary(detail):
-    # MPICH's in-place all-to-all receives each block into a temporary of the block's size
-    # and copies it back: above the threshold every copied byte is faulted in first
+    # MPICH's in-place all-to-all (where a machine file's mpi: table names it) receives each
+    # block into a temporary of the block's size and copies it back: above the threshold
+    # every copied byte is faulted in first
     m, plain = fresh_machine(), replace(fresh_machine(), fresh_above=None, fault_rate=None)
-    m, plain = (replace(x, memory_bandwidth=20e9) for x in (m, plain))
+    inplace = {"alltoall": [(ANY, "inplace")]}
+    m, plain = (replace(x, memory_bandwidth=20e9, mpi=inplace) for x in (m, plain))
     for count, faulted in ((32 << 20, True), (16 << 20, False)):  # 64 MiB blocks, 32 MiB
         args = ("alltoall", "mpi", 2, count)
         extra = collective_seconds(m, *args, ranks_per_node=2, detail=detail) - (
@@ -329,43 +331,23 @@ def test_fit_weighs_each_kind_of_evidence_alike():
     assert _cost(truth, allreduces | a2a, 2, 2) < 1e-20
 
 
-def test_mpis_inplace_alltoall_pays_its_temporary_and_the_fit_finds_it():
-    """inplace_alltoall.temporary: MPI's in-place all-to-all costs each block once more at
-    that rate, on every exchange. Fitted where MPI's
-    all-to-all was measured: recovered from measurements of a machine that has it, and
-    left out of the file for one that has not."""
-    from proxies.calibrate.fit import ALLTOALL, fit
+def test_mpis_alltoall_is_priced_as_pairwise_out_of_place():
+    """The engine calls MPI's all-to-all with separate send and receive buffers: priced as
+    MPICH's pairwise exchange whatever the size, not as its in-place order (pairs one after
+    another, each block through a temporary: on 4 ranks a chain of 5 exchanges to
+    pairwise's 3, and the temporary faults in above fresh_memory.above)."""
+    m = replace(machine(rpn=4, intra=20e9, lat=3e-6), cores_per_node=4, node_bandwidth=40e9)
+    m = replace(m, fresh_above=1 << 20, fault_rate=1e9)
+    named = {alg: replace(m, mpi={"alltoall": [(ANY, alg)]}) for alg in ("pairwise", "inplace")}
+    for n in (2, 4):
+        for count in (1024, (32 << 20) // 4):
 
-    truth = replace(machine(rpn=2, intra=20e9, lat=3e-6), cores_per_node=2, node_bandwidth=40e9)
-    count = (32 << 20) // 4  # 16 MiB blocks
+            def a2a(mm, n=n, count=count):
+                return collective_seconds(mm, "alltoall", "mpi", n, count, ranks_per_node=4)
 
-    def a2a(m, alg="mpi", n=2):
-        return collective_seconds(m, "alltoall", alg, n, count, ranks_per_node=2)
-
-    paying = replace(truth, inplace_temporary=8e9)
-    assert math.isclose(a2a(paying) - a2a(truth), (16 << 20) / 8e9, rel_tol=1e-9)
-    # 4 ranks: on each exchange of MPICH's order's longest chain, 5 of them
-    assert math.isclose(a2a(paying, n=4) - a2a(truth, n=4), 5 * (8 << 20) / 8e9, rel_tol=1e-6)
-    sizes = [64 << 10, 1 << 20, 16 << 20, 32 << 20]
-    allreduces = {
-        a: [(s, collective_seconds(truth, "allreduce", a, 2, s // 4, ranks_per_node=2))
-            for s in sizes] for a in ("ring", "rhd", "rd")
-    }  # fmt: skip
-    start = replace(truth, intra=Level(2e-6, 20e9))  # the rate starts at one more copy
-    for m, want in ((paying, 8e9), (truth, None)):
-        measured = {
-            f"{ALLTOALL}mpi": [
-                (s, collective_seconds(m, "alltoall", "mpi", 2, s // 4, ranks_per_node=2))
-                for s in sizes
-            ]
-        }
-        fitted, record = fit(start, allreduces | measured, 2, 2)
-        assert math.isclose(fitted.intra.bandwidth, 20e9, rel_tol=0.1)
-        if want is None:
-            assert fitted.inplace_temporary is None and "inplace_temporary" not in record["fitted"]
-        else:
-            assert math.isclose(fitted.inplace_temporary, want, rel_tol=0.15)
-            assert record["fitted"]["inplace_temporary"] == fitted.inplace_temporary
+            assert a2a(m) == a2a(named["pairwise"])
+            if count > 1024:  # blocks above fresh_memory.above: the temporary faults
+                assert a2a(m) < a2a(named["inplace"])
 
 
 def test_slept_compute_lasts_wake_longer():
