@@ -91,6 +91,13 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "share per CPU). It moves with the machine's state "
             "(python -m proxies.calibrate.probe)."
         )
+    if m.zero_page_alltoall is not None:
+        out["zero_pages"] = (
+            "alltoall: MPI's all-to-all at the two largest sizes from a send buffer never "
+            "written (calibration.alltoall.untouched) over the model's price of it from cold "
+            "buffers, the median: the predictor charges it on the all-to-alls of runs "
+            "without real compute or --check, whose send buffers are never written."
+        )
     if m.op_overhead or m.wake:
         out["engine"] = (
             "op_overhead: the engine's own seconds per plan op (an iteration less its ops' "
@@ -154,6 +161,11 @@ def summary(m: Machine, topo: Topology) -> None:
         print(
             f"  reuse       MPI's collectives on a buffer reused within "
             f"{q(m.reuse_cache, 'count')}: x{m.reread:.3g} per byte"
+        )
+    if m.zero_page_alltoall is not None:
+        print(
+            f"  zero_pages  MPI's all-to-all from a never-written buffer: "
+            f"x{m.zero_page_alltoall:.3g} per byte"
         )
     print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
     missing = [u for u in m.unmeasured]

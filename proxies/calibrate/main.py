@@ -295,15 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     from proxies.calibrate.fit import ALLTOALL, exchange_target
 
     a2a_sizes = measure.QUICK_ALLTOALL_SIZES if quick else measure.ALLTOALL_SIZES
-    say(f"  MPI's in-place all-to-all on {calm_rpn * nodes} rank(s) ...", flush=True)
-    a2a = None
+    say(f"  MPI's all-to-all on {calm_rpn * nodes} rank(s) ...", flush=True)
+    a2a = untouched = None
     if active and pair:
         a2a = measure.mpi_alltoall(calm, MPI, a2a_sizes, reps=reps, warmup=1 if quick else 2)
+        # the largest two sizes again from a send buffer never written (zero_pages)
+        untouched = measure.mpi_alltoall(
+            calm, MPI, a2a_sizes[-2:], reps=reps, warmup=1 if quick else 2, untouched=True
+        )
     idle()
-    a2a = comm.bcast(a2a, root=0)
+    a2a, untouched = comm.bcast((a2a, untouched), root=0)
     targets = dict(times)
     if a2a:
-        calibration["alltoall"] = {"mpi": [[s, sig(t)] for s, t in a2a]}
+        calibration["alltoall"] = {
+            "mpi": [[s, sig(t)] for s, t in a2a],
+            "untouched": [[s, sig(t)] for s, t in untouched],
+        }
         targets[f"{ALLTOALL}mpi"] = a2a
     targets |= exchange_target(calibration["node"])
     # -- the machine's state now, on the ping-pong's two ranks: python -m
@@ -511,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
                 flush=True,
             )
-        m = with_reuse(m, now)
+        m = with_zero_pages(with_reuse(m, now), calm_rpn * nodes, calm_rpn)
         summary(m, topo)
         # A minute of measuring is not lost to a full disk: save falls back and says where.
         text = dumps(m, comments(m, topo, quick))
@@ -542,6 +549,28 @@ def with_reuse(m: Machine, now: dict | None) -> Machine:
     m = replace(m, reuse_cache=measure.cache_share(), reread=sig(now["same_s"] / cold))
     m.calibration["reuse"] = {"predicted_cold_s": sig(cold), "measured_same_s": now["same_s"]}
     return m
+
+
+def with_zero_pages(m: Machine, n: int, rpn: int) -> Machine:
+    """The machine with zero_pages.alltoall: the all-to-alls measured from a send buffer
+    never written (calibration.alltoall.untouched) over the fitted model's price of them
+    (cold), the median over the sizes, so such an all-to-all is priced from that
+    measurement (the cold price's error at that size included). Unchanged where none was
+    measured."""
+    from dataclasses import replace
+
+    from proxies.core.prediction import collective_seconds
+
+    points = (m.calibration.get("alltoall") or {}).get("untouched") or []
+    ratios = []
+    for size, seconds in points:
+        cold = collective_seconds(m, "alltoall", "mpi", n, size // 4, ranks_per_node=rpn)
+        if cold > 0 and seconds > 0:
+            ratios.append(seconds / cold)
+    if not ratios:
+        return m
+    m.calibration["alltoall"]["untouched_over_predicted_cold"] = [sig(x) for x in ratios]
+    return replace(m, zero_page_alltoall=sig(statistics.median(ratios)))
 
 
 def entry() -> None:

@@ -344,16 +344,22 @@ def mpi_alltoall(
     warmup: int = 2,
     wait: Callable | None = None,
     barrier: Callable[[], None] | None = None,
+    untouched: bool = False,
 ) -> list[tuple[int, float]]:
     """Seconds per MPI_Alltoall of float32 arrays of each size (bytes per rank, the whole
     array, in comm.size equal blocks), as the proxies' embedding and expert exchanges call
-    it: out of place, from a cold buffer into one kept across calls (the engine's pooled
-    receive buffer): [(bytes, seconds)], timed as allreduce_measurements times (the slowest
-    rank, the median). `wait`: Ialltoall completed by it instead."""
+    it: out of place, into a buffer kept across calls (the engine's pooled receive buffer),
+    from a cold buffer (a fresh arena slice each call) or, `untouched`, from one never
+    written (a runtime's send buffer without real compute: every page the kernel's zero
+    page, so reading it moves no memory): [(bytes, seconds)], each the slowest rank's, the
+    median of `reps` after `warmup`. `wait`: Ialltoall completed by it instead."""
     barrier = barrier or comm.Barrier
     n = comm.size
-    arena = Arena(max(sizes), np.float32)
-    kept = np.zeros(max(max(s // 4 // n, 1) * n for s in sizes), np.float32)
+    most = max(max(s // 4 // n, 1) * n for s in sizes)
+    arena = None if untouched else Arena(4 * most, np.float32)
+    never = np.zeros(most, np.float32) if untouched else None
+    kept = np.zeros(most, np.float32)
+    kept[...] = 0  # touched: the pool's buffer has been received into before
     out = []
     for size in sizes:
         count = max(size // 4 // n, 1) * n
@@ -365,7 +371,15 @@ def mpi_alltoall(
             else:
                 wait([comm.Ialltoall(buf, recv)])
 
-        seconds = cold_calls(comm, MPI, call, arena, count * 4, reps, warmup, barrier)
+        if never is None:
+            seconds = cold_calls(comm, MPI, call, arena, count * 4, reps, warmup, barrier)
+        else:
+            send = never[:count]
+            for _ in range(warmup):
+                call(send)
+            seconds = statistics.median(
+                slowest(comm, MPI, lambda send=send: call(send), barrier) for _ in range(reps)
+            )
         out.append((count * 4, seconds))
     return out
 

@@ -12,6 +12,7 @@
                      mpi_latency: 3 ms, unexpected: 1}       # optional: ranks > cores
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
     reuse: {cache: 16 MiB, reread: 1.3}                      # optional: reused buffers
+    zero_pages: {alltoall: 0.55}                             # optional: untouched sends
     engine: {op_overhead: 20 us, wake: 70 us}                # optional
     unmeasured: [inter_node]                                 # optional (calibrate)
     calibration: {...}                                       # optional (calibrate)
@@ -31,6 +32,11 @@ ranks takes what it measured on the buffer the previous one wrote: 0.8 to 1.9 on
 this was developed on, whose caches made that call 1.3 to 2.8 x a cold one's). The
 predictor applies it where the proxy says which buffers its runtime reuses (compute none
 and model); with real compute the kernels' own traffic passes through the caches between.
+`zero_pages.alltoall`: MPI's all-to-all from a send buffer never written (every page the
+kernel's one zero page: reading it moves no memory) costs this x per byte moved and copied
+of the cold buffer's price; the proxies' all-to-all send buffers are such without real
+compute and --check (calibrate measures the ratio: 0.5 - 0.6 at 16 - 64 MiB on 2 ranks of
+the VM this was developed on).
 `engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling), booked
 as the measured run books it. `engine.wake`: how much longer than asked a sleep lasts (the
 kernel's timer slack and the wake-up): a modelled or replayed compute op's, and a yielding
@@ -114,6 +120,8 @@ class Machine:
     # a collective MPI runs on a buffer reused within reuse_cache bytes costs reread x per byte
     reuse_cache: int | None = None
     reread: float | None = None
+    # MPI's all-to-all from a never-written (zero-page) send buffer costs this x per byte
+    zero_page_alltoall: float | None = None
     op_overhead: float = 0.0  # seconds: the engine's own cost per plan op
     wake: float = 0.0  # seconds a sleep (slept compute, a yielding wait's) lasts longer
 
@@ -154,6 +162,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
     "reuse": {"cache": "count", "reread": "factor"},
+    "zero_pages": {"alltoall": "factor"},
     "engine": {"op_overhead": "time", "wake": "time"},
 }
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
@@ -367,6 +376,7 @@ def from_mapping(
         fault_rate=fig.get("fresh_memory.rate"),
         reuse_cache=int(fig["reuse.cache"]) if fig.get("reuse.cache") else None,
         reread=fig.get("reuse.reread"),
+        zero_page_alltoall=fig.get("zero_pages.alltoall"),
         op_overhead=fig.get("engine.op_overhead") or 0.0,
         wake=fig.get("engine.wake") or 0.0,
     )
@@ -490,6 +500,8 @@ def to_mapping(m: Machine) -> dict:
         }
     if m.reuse_cache is not None and m.reread is not None:
         out["reuse"] = {"cache": q(m.reuse_cache, "count"), "reread": float(m.reread)}
+    if m.zero_page_alltoall is not None:
+        out["zero_pages"] = {"alltoall": float(m.zero_page_alltoall)}
     engine = {}
     if m.op_overhead:
         engine["op_overhead"] = q(m.op_overhead, "time")

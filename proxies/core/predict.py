@@ -151,6 +151,7 @@ class _Predictor(CollectiveSim, WaitSim):
         keep_spans: bool,
         slow_links: dict[tuple[int, int], float] | None = None,
         buffers: Buffers | None = None,
+        untouched_sends: bool = False,
     ) -> None:
         self.plans = {p.rank: p for p in plans}
         self.slow_links = slow_links or {}  # --slow-link: (low rank, high rank) -> factor
@@ -218,6 +219,8 @@ class _Predictor(CollectiveSim, WaitSim):
         m = topo.machine
         self.reread = m.reread if buffers is not None and m.reuse_cache and m.reread else 1.0
         self.reused: dict[int, frozenset] = {}
+        # MPI's all-to-all from a send buffer never written (zero pages): x per byte
+        self.zero_page = (m.zero_page_alltoall or 1.0) if untouched_sends else 1.0
         if self.reread != 1.0 and self.detail == "steps":
             for r, p in self.plans.items():
                 self.reused[r] = reused_ops(p, buffers(p), m.reuse_cache)
@@ -560,6 +563,7 @@ def predict(
     keep_spans: bool = False,
     slow_links: dict[tuple[int, int], float] | None = None,
     buffers: Buffers | None = None,
+    untouched_sends: bool = False,
 ) -> Prediction:
     """Run the plans on the topology's machine. `plans` are every rank's, or with `rep_of`
     (world rank -> representative) the representatives' only. Raises PlanError when the
@@ -567,10 +571,13 @@ def predict(
     (low rank, high rank) -> factor; each point-to-point message between them is held by
     its receiver for (factor - 1) x its transfer time, booked as fault_delay. `buffers`:
     which buffer the runtime uses for each op's (name, micro-batch), where it reuses
-    buffers (the machine's `reuse` figures apply; None: they do not)."""
+    buffers (the machine's `reuse` figures apply; None: they do not). `untouched_sends`:
+    the runtime never writes its all-to-alls' send buffers (compute none and model without
+    --check): the machine's zero_pages.alltoall applies."""
     sim = _Predictor(
-        plans, topo, compute, algorithm, detail, rep_of, keep_spans, slow_links, buffers
-    )
+        plans, topo, compute, algorithm, detail, rep_of, keep_spans, slow_links, buffers,
+        untouched_sends,
+    )  # fmt: skip
     sim.run()
     time = max(sim.finish.values(), default=0.0)
     breakdown = {}

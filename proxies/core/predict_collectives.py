@@ -61,7 +61,9 @@ class CollectiveSim:
                 key, members, op, alg, inside, inside < len(members)
             )
             inst.library = self.library(op.kind)
-            if inst.library and self.pc[r] in self.reused.get(r, ()):
+            if inst.library and op.kind == "alltoall" and self.zero_page != 1.0:
+                inst.reread = self.zero_page  # from a send buffer never written
+            elif inst.library and self.pc[r] in self.reused.get(r, ()):
                 inst.reread = self.reread  # on a buffer its creator's rank reused
             machine = self.topo.machine
             if op.kind == "alltoall" and alg == "inplace":

@@ -138,6 +138,7 @@ def run_prediction(
             keep_spans=keep_spans,
             slow_links=perturbed.links if perturbed is not None else None,
             buffers=buffers,
+            untouched_sends=buffers is not None and not getattr(args, "check", False),
         )
     except ValueError as e:  # a topology the machine cannot hold
         raise cli.UsageError(str(e)) from None

@@ -125,3 +125,74 @@ def test_calibrate_sets_reread_so_the_model_prices_the_measured_reused_allreduce
     assert math.isclose(got.reread, 1.3, rel_tol=1e-3) and got.reuse_cache > 0
     assert got.calibration["reuse"]["measured_same_s"] == state["same_s"]
     assert with_reuse(m, None) is m and with_reuse(m, {"bytes": MIB}) is m
+
+
+# -- zero_pages.alltoall: MPI's all-to-all from a send buffer never written -------------------
+
+
+def test_zero_pages_section_loads_round_trips_and_rejects_bad_values(tmp_path):
+    data = copy.deepcopy(BASE) | {"zero_pages": {"alltoall": 0.55}}
+    m = load(write(tmp_path, data))
+    assert m.zero_page_alltoall == 0.55
+    again = load(write(tmp_path, dumps(m), "again.yaml"))
+    assert replace(again, source="") == replace(m, source="")
+    assert load(write(tmp_path, BASE, "base.yaml")).zero_page_alltoall is None
+    for value in (0, -1, "half", None):
+        bad = copy.deepcopy(data)
+        bad["zero_pages"]["alltoall"] = value
+        path = write(tmp_path, bad, "bad.yaml")
+        with pytest.raises(MachineError) as e:
+            load(path)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{path}: zero_pages.alltoall: ")
+
+
+def a2a_iteration(m, untouched: bool, buffers=lambda plan: key) -> float:
+    ops = (Collective("alltoall", "g", "emb", 32 * MIB // FLOAT),)
+    plans = [Plan(r, ops, {"g": (0, 1)}) for r in (0, 1)]
+    topo = Topology(m, 2)
+    pick = chooser(m, "mpi")
+    return predict(
+        plans, topo, lambda r, o: 0.0, pick, buffers=buffers, untouched_sends=untouched
+    ).time
+
+
+def test_an_alltoall_from_a_never_written_buffer_costs_zero_pages_per_byte():
+    """Runs without real compute and --check never write their all-to-alls' send buffers:
+    the pairwise exchange's bytes and its own block's copy cost zero_pages.alltoall x the
+    cold price (latencies unchanged); nothing without the flag or the figure, nothing for
+    allreduces; it prices the buffer even where reuse.reread would (zero pages)."""
+    base = replace(machine(rpn=2, intra=10e9, lat=1e-6), memory_bandwidth=20e9)
+    m = replace(base, zero_page_alltoall=0.5)
+    cold = a2a_iteration(m, False)
+    assert a2a_iteration(base, True) == cold == a2a_iteration(m, False, buffers=None)
+    half = a2a_iteration(m, True)
+    assert math.isclose(half - 1e-6, (cold - 1e-6) / 2, rel_tol=1e-3), (half, cold)
+    reused = replace(m, reuse_cache=64 * MIB, reread=3.0)
+    assert math.isclose(a2a_iteration(reused, True), half, rel_tol=1e-9)
+    ar = (coll("a", 4 * MIB),)
+    plans = [Plan(r, ar, {"g": (0, 1)}) for r in (0, 1)]
+    times = {
+        flag: predict(plans, Topology(m, 2), lambda r, o: 0.0, chooser(m, "mpi"),
+                      buffers=lambda plan: key, untouched_sends=flag).time
+        for flag in (False, True)
+    }  # fmt: skip
+    assert times[False] == times[True]
+
+
+def test_calibrate_sets_zero_pages_so_the_model_prices_the_measured_untouched_alltoall():
+    from proxies.calibrate.main import with_zero_pages
+
+    m = replace(machine(rpn=2, intra=10e9, lat=1e-6), memory_bandwidth=20e9)
+    sizes = (32 * MIB, 64 * MIB)
+    cold = [
+        collective_seconds(m, "alltoall", "mpi", 2, s // FLOAT, ranks_per_node=2) for s in sizes
+    ]
+    m.calibration["alltoall"] = {
+        "untouched": [[s, 0.5 * c] for s, c in zip(sizes, cold, strict=True)]
+    }
+    got = with_zero_pages(m, 2, 2)
+    assert math.isclose(got.zero_page_alltoall, 0.5, rel_tol=1e-3)
+    assert got.calibration["alltoall"]["untouched_over_predicted_cold"] == [0.5, 0.5]
+    bare = replace(m, calibration={})
+    assert with_zero_pages(bare, 2, 2) is bare
