@@ -477,6 +477,8 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
         parts.append(f"oversubscribed {oversubscribed_text(m)}")
     if m.fresh_above is not None:
         parts.append(f"fresh above {m.fresh_above >> 20} MiB at {m.fault_rate / g:.3g} GB/s")
+    if m.zero_page_alltoall is not None:
+        parts.append(f"all-to-all from zero pages x{m.zero_page_alltoall:.3g}")
     if isinstance(m.calibration.get("state"), dict):
         from proxies.calibrate.describe import state_text
 
