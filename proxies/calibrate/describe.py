@@ -52,7 +52,8 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
         "calibration": "raw measurements: [bytes, seconds, relative residual of the fit] per "
         "ping-pong size; allreduce: [bytes per rank, seconds per call, slowest rank, "
         "median of calls] per algorithm of proxies.collectives; alltoall: the same for "
-        "MPI's in-place all-to-all (the whole array per rank); state: what python -m "
+        "MPI's all-to-all out of place from cold buffers (the whole array per rank; "
+        "untouched: again from a buffer never written); state: what python -m "
         "proxies.calibrate.probe measures again later (a cold and a same-buffer 1 MiB "
         "allreduce, a copy's rate) to tell whether the machine is still in this state",
     }

@@ -12,7 +12,7 @@ search in log space from the ping-pong figures. The allreduces alone would set t
 figures for data a collective keeps warm in the caches between its steps; the proxies'
 pipeline and halo messages and their all-to-alls move cold data, each block once. So the
 fit also answers to the node exchange (every pair of a node's ranks exchanging 16 MiB at
-once) and to MPI's in-place all-to-all, and each of these kinds of evidence (_family)
+once) and to MPI's all-to-all, and each of these kinds of evidence (_family)
 weighs as much as all the allreduce algorithms together. (Fitted to allreduces alone, the
 figures priced a 16 MiB exchange at half its measured time; measured from one calibration,
 refitted both ways: 6-7 of 16 benchmark points within 25%, against 12.) The residual of
@@ -75,7 +75,7 @@ def _unbind(m: Machine, flow: str, node: str) -> Machine:
 
 
 PAIRS = "@pairs"  # a measured key "ALG@pairs": ranks (0,1), (2,3) ... each ran ALG at once
-# a measured key "alltoall:mpi": MPI's own in-place all-to-all (the proxies' embedding and
+# a measured key "alltoall:mpi": MPI's own all-to-all (the proxies' embedding and
 # expert exchanges), priced as the library runs it (the `mpi:` table or MPICH's default)
 ALLTOALL = "alltoall:"
 # a measured key "exchange": the pairs (0,1), (2,3) ... of the first node's ranks each

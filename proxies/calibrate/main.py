@@ -4,7 +4,7 @@ Nodes come from MPI (COMM_TYPE_SHARED) unless --ranks-per-node emulates them; th
 point-to-point ping-pong within a node (and across nodes, with 2 or more), fitted to
 latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul, copy
 and add rates with a rank on every core of a node at once; each allreduce algorithm of
-proxies.collectives and MPI's in-place all-to-all at a few sizes; the machine's state
+proxies.collectives and MPI's all-to-all at a few sizes; the machine's state
 (state.py, what calibrate.probe measures again later). Messages and collectives use cold
 buffers, as the proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine.dump),
 with what was measured how in comments and the raw points and fit residuals under
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
-    # what else the fit answers to: MPI's in-place all-to-all, and the node exchange's
+    # what else the fit answers to: MPI's all-to-all, and the node exchange's
     # plain messages (cold, both ways) measured above
     from proxies.calibrate.fit import ALLTOALL, exchange_target
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration["oversubscribed_allreduce"] = {
             k: [[s, sig(t)] for s, t in v] for k, v in crowded_times.items()
         }
-        say(f"  MPI's in-place all-to-all on all {n} ranks, yielding waits ...", flush=True)
+        say(f"  MPI's all-to-all on all {n} ranks, yielding waits ...", flush=True)
         a2a = measure.mpi_alltoall(
             comm, MPI, a2a_sizes, reps=reps, warmup=1 if quick else 2,
             wait=waiter.waitall, barrier=idle,

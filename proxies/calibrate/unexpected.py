@@ -11,7 +11,7 @@ are still in the last one (DLRM's backward all-reduces, posted while the forward
 still runs on the other ranks).
 
 The measurement, through the real engine with the runs' yielding waits: ranks 1 .. n-1 run
-MPI's in-place all-to-all; rank 0 sleeps 2 ms (the wait has backed off to 1 ms tests by
+MPI's all-to-all; rank 0 sleeps 2 ms (the wait has backed off to 1 ms tests by
 then), then sends `MESSAGES` tiny messages to rank 1, which receives them after the
 all-to-all. Rank 1's time with the messages less its time without, alternating, medians
 (the all-to-all doubles until it runs well past the messages' arrival): the figure is the
