@@ -343,7 +343,7 @@ class Engine:
             ]
         elif op.kind == "alltoall":
             # Out of place, as frameworks and the C++ proxies call it (in place MPICH runs
-            # another algorithm, 2-4x slower): into a pooled buffer, put back by _finish.
+            # another, 1.2-5x slower: alltoall_place.py): into a pool, put back by _finish.
             recv = self.staging.narrow(flat, flat.dtype, copy=False)
             self._sent[id(recv)] = out
             calls = [("Alltoall", (x, wire.transport(recv)))]
