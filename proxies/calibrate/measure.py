@@ -306,7 +306,7 @@ def allreduce_measurements(
             def call(buf, alg=alg):
                 allreduce(comm, buf, alg, wait=wait, ranks_per_node=ranks_per_node)
 
-            seconds = cold_calls(comm, MPI, call, arena, size, reps, warmup, barrier)
+            seconds = cold_calls(comm, MPI, call, arena.take, size, reps, warmup, barrier)
             out[alg].append((max(1, size // 4) * 4, seconds))  # the slices' bytes
     return out
 
@@ -319,14 +319,14 @@ def slowest(comm, MPI, call: Callable[[], object], barrier: Callable[[], None]) 
     return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
 
 
-def cold_calls(comm, MPI, call, arena: Arena, nbytes: int, reps: int, warmup: int, barrier):
-    """call(buf) on a fresh arena slice of nbytes each time (cold, as a proxy's buffers
+def cold_calls(comm, MPI, call, take: Callable, nbytes: int, reps: int, warmup: int, barrier):
+    """call(take(nbytes)) each time (Arena.take: a fresh slice, cold, as a proxy's buffers
     are): `warmup` untimed, then the median of `reps` timed by slowest()."""
     for _ in range(warmup):
-        call(arena.take(nbytes))
+        call(take(nbytes))
     times = []
     for _ in range(reps):
-        buf = arena.take(nbytes)
+        buf = take(nbytes)
         times.append(slowest(comm, MPI, lambda buf=buf: call(buf), barrier))
     return statistics.median(times)
 
@@ -356,8 +356,11 @@ def mpi_alltoall(
     barrier = barrier or comm.Barrier
     n = comm.size
     most = max(max(s // 4 // n, 1) * n for s in sizes)
-    arena = None if untouched else Arena(4 * most, np.float32)
-    never = np.zeros(most, np.float32) if untouched else None
+    if untouched:
+        never = np.zeros(most, np.float32)
+        take = lambda nbytes: never[: nbytes // 4]  # noqa: E731
+    else:
+        take = Arena(4 * most, np.float32).take
     kept = np.zeros(most, np.float32)
     kept[...] = 0  # touched: the pool's buffer has been received into before
     out = []
@@ -371,15 +374,7 @@ def mpi_alltoall(
             else:
                 wait([comm.Ialltoall(buf, recv)])
 
-        if never is None:
-            seconds = cold_calls(comm, MPI, call, arena, count * 4, reps, warmup, barrier)
-        else:
-            send = never[:count]
-            for _ in range(warmup):
-                call(send)
-            seconds = statistics.median(
-                slowest(comm, MPI, lambda send=send: call(send), barrier) for _ in range(reps)
-            )
+        seconds = cold_calls(comm, MPI, call, take, count * 4, reps, warmup, barrier)
         out.append((count * 4, seconds))
     return out
 

@@ -153,7 +153,7 @@ class Engine:
         self.progress_mode = progress if multiple else "test"
         self.progress: Progress | None = None
         self.staging = wire.Staging()
-        self._sent: dict[int, np.ndarray] = {}  # an all-to-all's receive buffer id -> its send
+        self._sent: dict[int, np.ndarray] = {}  # all-to-all receive buffer id -> staged send
         self.faults = faults  # faults.RankFaults of this rank: --slow-rank, --jitter ...
         # --trace: a trace.Recorder while an iteration is traced, else None. Every hook is
         # behind one `is not None` check: nothing else is added to an untraced op.
@@ -345,7 +345,8 @@ class Engine:
             # Out of place, as frameworks and the C++ proxies call it (in place MPICH runs
             # another, 1.2-5x slower: alltoall_place.py): into a pool, put back by _finish.
             recv = self.staging.narrow(flat, flat.dtype, copy=False)
-            self._sent[id(recv)] = out
+            if out is not buf:  # a 16-bit staging copy: back to the pool at _finish
+                self._sent[id(recv)] = out
             calls = [("Alltoall", (x, wire.transport(recv)))]
             out = recv
         else:
@@ -411,8 +412,7 @@ class Engine:
                 f"{self.iteration}) on rank {self.world.rank}: {error}"
             )
         self._widen(out, buf, t)  # alltoallv's `out` is its send buffer: nothing to widen
-        sent = self._sent.pop(id(out), None)
-        if sent is not None and sent is not buf:  # an all-to-all's 16-bit send buffer
+        if (sent := self._sent.pop(id(out), None)) is not None:  # an all-to-all's staged send
             self.staging.release(sent)
 
     def _collective(self, op: Collective, t: IterationTimes) -> None:
