@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from proxies.core import pages
+
 TAG = 31000  # below the collectives' tags (32000+), away from the proxies' small ones
 
 # 8 B .. 32 MiB by 4, then 64 MiB; quick: 8 B .. 2 MiB by 8
@@ -74,7 +76,8 @@ class Arena:
     def __init__(self, largest: int, dtype=np.uint8) -> None:
         self.dtype = np.dtype(dtype)
         span = max(2 * cache_bytes(), largest)
-        self.data = np.ones(span // self.dtype.itemsize, dtype=self.dtype)  # touched
+        self.data = pages.zeros(span // self.dtype.itemsize, self.dtype)  # as a run's buffers
+        self.data[...] = 1  # touched
         self.next = 0
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -163,7 +166,8 @@ def incast(
     senders = [q for q, n in enumerate(node_of) if n != 0]
     target = {s: receivers[i % len(receivers)] for i, s in enumerate(senders)}
     mine = [s for s in senders if target[s] == comm.rank]
-    buf = np.ones(size * max(1, len(mine)), dtype=np.uint8)
+    buf = pages.zeros(size * max(1, len(mine)), np.uint8)
+    buf[...] = 1
     times = []
     for rep in range(1 + reps):
         barrier()
@@ -357,11 +361,11 @@ def mpi_alltoall(
     n = comm.size
     most = max(max(s // 4 // n, 1) * n for s in sizes)
     if untouched:
-        never = np.zeros(most, np.float32)
+        never = pages.zeros(most, np.float32)
         take = lambda nbytes: never[: nbytes // 4]  # noqa: E731
     else:
         take = Arena(4 * most, np.float32).take
-    kept = np.zeros(most, np.float32)
+    kept = pages.zeros(most, np.float32)
     kept[...] = 0  # touched: the pool's buffer has been received into before
     out = []
     for size in sizes:
@@ -399,7 +403,7 @@ def mpi_fresh(comm, MPI, sizes: Sequence[int], reps: int) -> list[tuple[int, flo
     zero while MPI's temporary is reused heap; about what the call receives into it once
     the temporary is a new mapping every call (glibc serves allocations above its mmap
     threshold, at most 32 MiB on 64-bit, with fresh mappings)."""
-    whole = np.zeros(max(sizes) // 4, dtype=np.float32)
+    whole = pages.zeros(max(sizes) // 4, np.float32)
     out = []
     for size in sizes:
         buf = whole[: size // 4]
@@ -451,7 +455,7 @@ def mpi_fault_rate(comm, MPI, size: int, faulted: float, reps: int) -> dict | No
     faulted / (the first time - the second). Medians of `reps` calls, slowest rank. Ends
     with glibc's thresholds raised in this process: call it last. None without glibc's
     mallopt or when the difference is not positive (noise)."""
-    buf = np.zeros(size // 4, dtype=np.float32)
+    buf = pages.zeros(size // 4, np.float32)
 
     def timed() -> float:
         for _ in range(2):

@@ -12,6 +12,7 @@ import statistics
 import numpy as np
 
 from proxies.calibrate.measure import Arena, copy_rates, slowest
+from proxies.core import pages
 
 STATE_BYTES = 1 << 20  # the allreduce: within every core's private cache, above eager sizes
 STATE_COPY_BYTES = 64 << 20  # the copy: twice a large last-level cache, from memory
@@ -42,7 +43,7 @@ def state(comm, MPI, reps: int = 15) -> dict:
     nbytes = STATE_BYTES
     arena = Arena(nbytes * (reps + 2), np.float32)
     arena.data[...] = 0
-    same = np.zeros(max(1, nbytes // 4), np.float32)
+    same = pages.zeros(max(1, nbytes // 4), np.float32)
 
     def timed(buf) -> float:
         call = lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)  # noqa: E731

@@ -25,6 +25,8 @@ import statistics
 
 import numpy as np
 
+from proxies.core import pages
+
 MESSAGES = 8
 NAP = 2e-3  # seconds rank 0 sleeps before it sends: rank 1's wait is at 1 ms tests by then
 FIRST = 16 << 20  # bytes of the all-to-all per rank to start from
@@ -35,8 +37,9 @@ LEFT = 4e-3  # seconds the all-to-all alone must run past the nap (it doubles un
 
 class _Runtime:
     def __init__(self, nbytes: int) -> None:
-        self.a2a = np.ones(nbytes // 4, dtype=np.float32)
-        self.small = {f"u{i}": np.zeros(4, dtype=np.float32) for i in range(MESSAGES)}
+        self.a2a = pages.zeros(nbytes // 4, np.float32)
+        self.a2a[...] = 1
+        self.small = {f"u{i}": pages.zeros(4, np.float32) for i in range(MESSAGES)}
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
         return self.a2a if name == "a2a" else self.small[name]

@@ -41,7 +41,7 @@ import numpy as np
 from proxies.collectives import bench_ops
 from proxies.collectives.bench_ops import OPS
 from proxies.collectives.options import PROG, parser, resolve, sizes
-from proxies.core import cli, exits, provenance, wire
+from proxies.core import cli, exits, pages, provenance, wire
 
 
 def resolve_wait(MPI, comm, mode: str) -> str:
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     # sendrecv and MPI's all-to-all receive into a second one
     try:
         top = bench_ops.counts(op, steps[-1], dtype.itemsize, n)[0]
-        whole, error = np.zeros(top, dtype=dtype), None
+        whole, error = pages.zeros(top, dtype), None
         two = op.name == "sendrecv" or (op.name == "alltoall" and "mpi" in algs)
-        other = np.zeros(top, dtype=dtype) if two else None
+        other = pages.zeros(top, dtype) if two else None
     except MemoryError:
         whole, error = None, f"-e/--maxbytes {args.maxbytes}: cannot allocate that buffer"
     if error is None and r == 0:  # rank 0 writes the rows: refuse now, not after timing

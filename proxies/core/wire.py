@@ -25,6 +25,8 @@ from collections import defaultdict
 import ml_dtypes
 import numpy as np
 
+from proxies.core import pages
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 SIXTEEN = (BFLOAT16, np.dtype(np.float16))  # floats MPI cannot reduce: sent as uint16
 
@@ -85,7 +87,7 @@ class Staging:
     def narrow(self, buf: np.ndarray, dtype: np.dtype, copy: bool = True) -> np.ndarray:
         """A wire buffer for `buf`, holding its values rounded when `copy`."""
         shelf = self.free[(dtype, buf.size)]
-        wire = shelf.pop() if shelf else np.empty(buf.size, dtype=dtype)
+        wire = shelf.pop() if shelf else pages.zeros(buf.size, dtype)
         if copy:
             wire[...] = buf.reshape(-1)  # round to nearest even
         return wire

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.cosmoflow import kernels as Kn
 from proxies.cosmoflow.config import DIRS, CosmoFlowConfig, K, Shards
 
@@ -147,7 +148,7 @@ class ShardModel:
         for l in range(L):
             ci, co = cfg.channels(l)
             n = cfg.conv_params(l)
-            p, g = np.zeros(n, dtype), np.zeros(n, dtype)
+            p, g = np.zeros(n, dtype), pages.zeros(n, dtype)  # g: allreduced
             rng = np.random.default_rng([seed, 1, l])
             p[: n - co] = glorot(rng, (n - co,), K**3 * ci, K**3 * co)
             self.conv_p.append(p)
@@ -161,7 +162,8 @@ class ShardModel:
         # dense parameters: this shard's columns of every layer, in one flat array
         self.cols_d = [cfg.dense_columns(k, S, s) for k in range(len(cfg.dense))]
         n = sum(cfg.dense_params(k, S, s) for k in range(len(cfg.dense)))
-        self.dense_p, self.dense_g, self.dense_v = (np.zeros(n, dtype) for _ in range(3))
+        self.dense_p, self.dense_v = np.zeros(n, dtype), np.zeros(n, dtype)
+        self.dense_g = pages.zeros(n, dtype)  # allreduced
         self.dw_d, self.db_d, self.w_d, self.b_d = [], [], [], []
         at = 0
         for k in range(len(cfg.dense)):

@@ -35,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from proxies.core import check, cli, runner
+from proxies.core import check, cli, pages, runner
 from proxies.core.grads import Flat, GradSync, Unit
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
@@ -225,16 +225,16 @@ class CosmoFlowRuntime:
             self.model = ShardModel(cfg, shards, s, B, seed=seed, dtype=dtype)
         bufs: dict[str, np.ndarray] = {}
         for _, m, _ in plan.messages():
-            bufs[m.buf] = np.zeros(m.count, dtype)
+            bufs[m.buf] = pages.zeros(m.count, dtype)
         for k in range(len(cfg.dense)):
             i = cfg.dense_io(k)[0]
-            bufs[f"dense{k}.in"] = np.zeros(B * i, dtype)  # whole: S blocks of B * i / S
-            bufs[f"dense{k}.din"] = np.zeros(B * i, dtype)
+            bufs[f"dense{k}.in"] = pages.zeros(B * i, dtype)  # whole: S blocks of B * i / S
+            bufs[f"dense{k}.din"] = pages.zeros(B * i, dtype)
         m = self.model
         for l in range(cfg.layers):
-            bufs[f"conv{l}.grads"] = m.conv_g[l] if m else np.zeros(cfg.conv_params(l), dtype)
+            bufs[f"conv{l}.grads"] = m.conv_g[l] if m else pages.zeros(cfg.conv_params(l), dtype)
         n = sum(cfg.dense_params(k, S, s) for k in range(len(cfg.dense)))
-        bufs["dense.grads"] = m.dense_g if m else np.zeros(n, dtype)
+        bufs["dense.grads"] = m.dense_g if m else pages.zeros(n, dtype)
         self.bufs = bufs
         # Halo messages per (layer, phase): (direction, send buffer, recv buffer).
         self.halo = {

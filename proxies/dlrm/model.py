@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.dlrm import kernels as K
 from proxies.dlrm.config import DLRMConfig
 from proxies.dlrm.data import Synthetic
@@ -40,7 +41,7 @@ class MLP:
         self.layers = layers
         self.slices = [slice(a, b) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         self.params = np.empty(offsets[-1], dtype=dtype)
-        self.grads = np.zeros(offsets[-1], dtype=dtype)
+        self.grads = pages.zeros(offsets[-1], dtype)  # allreduced
         self.W, self.b, self.dW, self.db = [], [], [], []
         for (C, OC), s in zip(layers, self.slices, strict=True):
             for arr, w, b in ((self.params, self.W, self.b), (self.grads, self.dW, self.db)):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.dlrm import kernels as K
 from proxies.dlrm.config import DLRMConfig
 from proxies.dlrm.data import Synthetic
@@ -97,7 +98,7 @@ class TableWise:
             full = init_table(seed, t, cfg.rows[t], cfg.dim, dtype)
             self.tables[u] = np.ascontiguousarray(full[:, k * self.Dk : (k + 1) * self.Dk])
         shape = (world, self.S, self.b, self.Dk)
-        self.buffers = {"emb_fwd": np.zeros(shape, dtype), "emb_bwd": np.zeros(shape, dtype)}
+        self.buffers = {"emb_fwd": pages.zeros(shape, dtype), "emb_bwd": pages.zeros(shape, dtype)}
         self.idx: dict[int, np.ndarray] = {}
 
     def forward(self, it: int) -> None:
@@ -161,11 +162,11 @@ class RowWise:
             self.tables[t] = full[lo:hi].copy()
         b, D = self.b, cfg.dim
         self.buffers = {
-            "emb_splits": np.zeros((world, 3), IDS_DTYPE),
-            "emb_lengths": np.zeros((world, NT, b), IDS_DTYPE),
-            "emb_ids": np.zeros(b * NT * cfg.pooling, IDS_DTYPE),  # sent, grouped by owner
-            "emb_fwd": np.zeros((world, b, NT, D), dtype),  # (B,NT,D) partial sums
-            "emb_bwd": np.zeros((world, b, NT, D), dtype),  # (B,NT,D) gradients
+            "emb_splits": pages.zeros((world, 3), IDS_DTYPE),
+            "emb_lengths": pages.zeros((world, NT, b), IDS_DTYPE),
+            "emb_ids": pages.zeros(b * NT * cfg.pooling, IDS_DTYPE),  # sent, grouped by owner
+            "emb_fwd": pages.zeros((world, b, NT, D), dtype),  # (B,NT,D) partial sums
+            "emb_bwd": pages.zeros((world, b, NT, D), dtype),  # (B,NT,D) gradients
         }
         self.scounts = np.zeros(world, IDS_DTYPE)
         self.recv_ids: np.ndarray | None = None  # what the ids all-to-allv brought

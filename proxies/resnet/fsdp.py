@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.core.fsdp import (
     FSDP,
     GATHER,
@@ -106,7 +107,7 @@ class ResNetShards:
         for u, lo, _ in self.table:
             k = u.shard(shard)
             self.shards.append(model.params[lo + self.r * k : lo + (self.r + 1) * k].copy())
-            self.grads.append(np.zeros(k, dt))
+            self.grads.append(pages.zeros(k, dt))  # reduce-scattered into
             self.mom.append(np.zeros(k, dt))
         self.held: dict[str, int] = {}  # reduce-scatter slot name -> unit not yet saved
         for i in range(len(self.table)):  # nothing readable (or resident) before its gather

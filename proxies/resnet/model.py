@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.core.fsdp import anonymous
 from proxies.resnet import kernels as K
 from proxies.resnet.config import ResNetConfig
@@ -64,7 +65,7 @@ class ResNetModel:
             self.momentum_buf = np.zeros(0, dtype)
         else:
             self.params = np.zeros(n, dtype)
-            self.grads = np.zeros(n, dtype)
+            self.grads = pages.zeros(n, dtype)  # allreduced
             self.momentum_buf = np.zeros(n, dtype)
         self.convs = {c.name: c for c in cfg.layers}
         # Batch-norm buffers as torchvision's buffers() lists them, flattened per dtype as

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from proxies.core import cli, runner
+from proxies.core import cli, pages, runner
 from proxies.core.grid import ProcessGrid
 from proxies.core.plan import Collective, Compute, Plan, Span
 from proxies.resnet import SPEC
@@ -176,16 +176,16 @@ class ResNetRuntime:
             flat = name == "grads" or name.startswith("grad:")  # slices of the one array
             if name.startswith("fsdp") and self.fsdp is None:  # model/none: one zero slot each
                 size = max(coll.count, len(self.bufs.get(name, ())))
-                self.bufs[name] = np.zeros(size, dtype)
+                self.bufs[name] = pages.zeros(size, dtype)
             elif name.startswith("fsdp"):
                 continue
             elif flat and grads is None:
-                grads = np.zeros(cfg.num_params, dtype)
+                grads = pages.zeros(cfg.num_params, dtype)
             elif name in ("bn_stats", "bn_counts") and self.model is not None:
                 self.bufs[name] = getattr(self.model, name)  # broadcast in place
             elif not flat:
                 kind = np.int64 if coll.dtype == "int64" else dtype  # a 16-bit wire: cast
-                self.bufs[name] = np.zeros(coll.count, kind)
+                self.bufs[name] = pages.zeros(coll.count, kind)
         self.grads = grads
         self.x = None
         self.loss, self.losses = 0.0, 0

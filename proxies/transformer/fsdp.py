@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.core.fsdp import (
     FSDP,
     GATHER,
@@ -246,20 +247,21 @@ class ShardedParams:
         for u, lo, hi in self.table:
             k = u.shard(self.n)
             block = model.params[lo:hi][self.r * k : (self.r + 1) * k]
-            self.shards.append(np.zeros(k, dtype=dt))
+            self.shards.append(pages.zeros(k, dt))  # allgathered from
             self.shards[-1][: block.size] = block  # the padding stays zero
-            for arrays in (self.grads, self.m, self.v):
+            self.grads.append(pages.zeros(k, dt))  # reduce-scattered into
+            for arrays in (self.m, self.v):
                 arrays.append(np.zeros(k, dtype=dt))
         self.inplace = [u.padded(self.n) == u.size for u, _, _ in self.table]
         big = slot_elements([u for u, _, _ in self.table], self.n)
-        self.slots = [np.zeros(big, dtype=dt) for _ in range(SLOTS if big else 0)]
-        self.rs_slots = [np.zeros(big, dtype=dt) for _ in range(FSDP_INFLIGHT if big else 0)]
+        self.slots = [pages.zeros(big, dt) for _ in range(SLOTS if big else 0)]
+        self.rs_slots = [pages.zeros(big, dt) for _ in range(FSDP_INFLIGHT if big else 0)]
         self.slot_of: dict[int, np.ndarray] = {}  # unit -> the slot its gather went into
         self.landed: set[int] = set()  # units gathered in place, not yet unsharded
         self.rs_held: dict[int, int] = {}  # reduce-scatter slot -> unit not yet saved
         self.t = 0
         self.sp = sp_slices(self.table, layout.sp_ranges, self.n, self.r) if S.sp else []
-        self.sp_buf = np.zeros(sum(b - a for _, a, b in self.sp), dtype=dt)
+        self.sp_buf = pages.zeros(sum(b - a for _, a, b in self.sp), dt)
         for i in range(len(self.table)):  # nothing is readable (or resident) before its gather
             self._free(i)
 

@@ -45,6 +45,7 @@ from types import ModuleType
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.transformer import fast
 from proxies.transformer.config import GPT2Config, normal
 from proxies.transformer.cpshard import PIECES as CP_PIECES
@@ -103,9 +104,9 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
             self.grads = anonymous(self.layout.dense_size, self.dtype)
         else:
             self.params = np.zeros(self.layout.dense_size, dtype=self.dtype)
-            self.grads = np.zeros_like(self.params)
+            self.grads = pages.zeros_like(self.params)  # allreduced
         self.eparams = np.zeros(self.layout.expert_size, dtype=self.dtype)
-        self.egrads = np.zeros_like(self.eparams)
+        self.egrads = pages.zeros_like(self.eparams)
         self.w = self._views(self.params, self.eparams)
         self.g = self._views(self.grads, self.egrads)
         moe = S.moe
@@ -116,16 +117,16 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
             self.cap = moe.capacity(S.Ns)
         self._init_params(seed)
         # Buffers the plan's collectives run on (see the module docstring).
-        self.tp_buf = np.zeros(S.N * C, dtype=self.dtype)
-        self.ce_buf = np.zeros(tp * 3 * S.N, dtype=self.dtype)
+        self.tp_buf = pages.zeros(S.N * C, self.dtype)
+        self.ce_buf = pages.zeros(tp * 3 * S.N, self.dtype)
         # MoE: moe_buf (E, cap, C) is this rank's dispatch (all-to-all over ep); with
         # sequence parallelism it is block r of moe_all, which gathers every TP rank's for
         # the experts (moe.py). Without, moe_all is moe_buf.
         sources = tp if S.sp else 1
-        self.moe_all = np.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
+        self.moe_all = pages.zeros(sources * moe.experts * self.cap * C if moe else 0, self.dtype)
         self.moe_buf = self.moe_all.reshape(sources, -1)[tp_rank if S.sp else 0]
-        self.dscore_buf = np.zeros(S.Ns * moe.top_k if moe else 0, dtype=self.dtype)
-        self.sp_buf = np.zeros(self.layout.sp_size if S.sp else 0, dtype=self.dtype)
+        self.dscore_buf = pages.zeros(S.Ns * moe.top_k if moe else 0, self.dtype)
+        self.sp_buf = pages.zeros(self.layout.sp_size if S.sp else 0, self.dtype)
         self.io: dict[tuple[str, int, int], np.ndarray] = {}  # pipeline messages
         self.saved: dict[tuple[int, int], ChunkActs] = {}  # (mb, chunk) in flight
         self._pool: dict[int, list[ChunkActs]] = {c: [] for c in self.chunks}
@@ -185,7 +186,7 @@ class StageShard(ContextParallelPieces, HeadPieces, MoEPieces, SequenceParallelP
         buf = self.io.get(key)
         if buf is None:
             S = self.S
-            buf = self.io[key] = np.zeros((S.B, S.Ts, S.cfg.n_embd), dtype=self.dtype)
+            buf = self.io[key] = pages.zeros((S.B, S.Ts, S.cfg.n_embd), self.dtype)
         return buf
 
     def _full(self) -> np.ndarray:

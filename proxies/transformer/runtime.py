@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.core.plan import P2P, Collective, Compute, Plan, Span, block_range
 from proxies.transformer.data import batch
 from proxies.transformer.layout import Layout
@@ -84,8 +85,8 @@ class BufferPool:
     def get(self, name, mb: int, count: int | None = None) -> np.ndarray:
         slot = self.slot(name, mb)
         arr = self.arrays.get(slot)
-        if arr is None:  # zeros: calloc'd, pages appear as messages touch them
-            arr = self.arrays[slot] = np.zeros(self.size[slot], dtype=np.float32)
+        if arr is None:  # zeros: pages appear as messages touch them
+            arr = self.arrays[slot] = pages.zeros(self.size[slot], np.float32)
         return arr if count is None else arr[:count]
 
 

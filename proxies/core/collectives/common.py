@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from proxies.core import pages
 from proxies.core.wire import transport as words  # noqa: F401  (re-exported)
 
 # Tags at the top of the range MPI guarantees (MPI_TAG_UB >= 32767), away from the small
@@ -58,5 +59,5 @@ def scratch(size: int, dtype, slot: int = 0) -> np.ndarray:
     key = (np.dtype(dtype).str, slot)
     buf = _scratch.get(key)
     if buf is None or buf.size < size:
-        buf = _scratch[key] = np.empty(max(size, 1), dtype=dtype)
+        buf = _scratch[key] = pages.zeros(max(size, 1), dtype)
     return buf[:size]
