@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from side_by_side import medians  # noqa: E402  (beside this file)
 
 WAYS = (
     "in place",
@@ -73,17 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         never = np.zeros(count, np.float32)  # never written: the zero page
         copy = np.ones(count, np.float32)
         calls = ways(comm, MPI, np, buf, recv, never, copy)
-        times: dict[str, list[float]] = {w: [] for w in WAYS}
-        for k in range(WARMUP + args.calls):
-            for way in WAYS:
-                comm.Barrier()
-                t0 = MPI.Wtime()
-                calls[way]()
-                took = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
-                if k >= WARMUP:
-                    times[way].append(took)
+        took = medians(comm, MPI, {w: calls[w] for w in WAYS}, args.calls, WARMUP)
         if comm.rank == 0:
-            cells = "  ".join(f"{statistics.median(times[w]) * 1e3:14.3f}" for w in WAYS)
+            cells = "  ".join(f"{took[w] * 1e3:14.3f}" for w in WAYS)
             print(f"{count * 4 / (1 << 20):12.3g}  {cells}", flush=True)
     return 0
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from side_by_side import medians  # noqa: E402  (beside this file)
 
 WAYS = ("exchange np.zeros", "exchange pages", "allreduce np.zeros", "allreduce pages")
 WARMUP = 3
@@ -70,18 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             f"allreduce {k}": (lambda v=v: comm.Allreduce(MPI.IN_PLACE, v))
             for k, (_, v) in bufs.items()
         }
-        times: dict[str, list[float]] = {w: [] for w in WAYS}
-        for k in range(WARMUP + args.calls):
-            for way in WAYS:
-                flush += 1
-                comm.Barrier()
-                t0 = MPI.Wtime()
-                calls[way]()
-                took = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
-                if k >= WARMUP:
-                    times[way].append(took)
+        ordered = {w: calls[w] for w in WAYS}
+        took = medians(comm, MPI, ordered, args.calls, WARMUP, lambda: np.add(flush, 1, out=flush))
         if r == 0:
-            cells = "  ".join(f"{statistics.median(times[w]) * 1e6:18.1f}" for w in WAYS)
+            cells = "  ".join(f"{took[w] * 1e6:18.1f}" for w in WAYS)
             print(f"{count * 4 / (1 << 20):8.3g}  {cells}", flush=True)
     huge = pages.huge_bytes()
     every = comm.gather(huge, root=0)
