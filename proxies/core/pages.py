@@ -2,9 +2,9 @@
 
 Within a node, MPICH (and Open MPI where its shared-memory transport has CMA or XPMEM)
 moves a large message with a single copy straight from the sender's memory (Linux CMA:
-process_vm_readv), which looks up and pins both buffers' pages
-on every message. On 4 KiB pages that is a large part of the cost; on 2 MiB pages it is
-not. Measured with benchmarks/huge_pages.py (2 ranks, 2-core VM, MPICH 5.0.2, buffers
+process_vm_readv), which looks up and pins the sender's pages on every message and
+writes through the receiver's page tables. On 4 KiB pages that is a large part of the
+cost; on 2 MiB pages it is not. Measured with benchmarks/huge_pages.py (2 ranks, 2-core VM, MPICH 5.0.2, buffers
 not in the caches): 2 MiB exchanged both ways took 248-253 us on np.zeros buffers and
 150-154 us on these; an in-place 3.4 MiB MPI_Allreduce 739-755 us against 388-405.
 
