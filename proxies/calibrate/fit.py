@@ -11,8 +11,8 @@ those measurements right: least squares on log(predicted / measured), by coordin
 search in log space from the ping-pong figures. The allreduces alone would set the
 figures for data a collective keeps warm in the caches between its steps; the proxies'
 pipeline and halo messages and their all-to-alls move cold data, each block once. So the
-fit also answers to the node exchange (every pair of a node's ranks exchanging 16 MiB at
-once) and to MPI's all-to-all, and each of these kinds of evidence (_family)
+fit also answers to the node exchange (every pair of a node's ranks exchanging 1, 4 and
+16 MiB at once) and to MPI's all-to-all, and each of these kinds of evidence (_family)
 weighs as much as all the allreduce algorithms together. (Fitted to allreduces alone, the
 figures priced a 16 MiB exchange at half its measured time; measured from one calibration,
 refitted both ways: 6-7 of 16 benchmark points within 25%, against 12.) The residual of
@@ -79,15 +79,20 @@ PAIRS = "@pairs"  # a measured key "ALG@pairs": ranks (0,1), (2,3) ... each ran 
 # expert exchanges), priced as the library runs it (the `mpi:` table or MPICH's default)
 ALLTOALL = "alltoall:"
 # a measured key "exchange": the pairs (0,1), (2,3) ... of the first node's ranks each
-# exchanging SIZE bytes both ways at once (Sendrecv, cold buffers): plain messages, as the
-# proxies' pipeline and halo traffic is. Every other key is an allreduce algorithm.
+# exchanging SIZE bytes both ways at once (Sendrecv, cold buffers; 1, 4 and 16 MiB): plain
+# messages, as the proxies' pipeline and halo traffic is. Every other key is an allreduce
+# algorithm.
 EXCHANGE = "exchange"
 
 
 def exchange_target(record: dict) -> dict:
-    """calibrate's node-exchange record ({flows, bytes_each, seconds}) as a fit target, or
-    none where no pair took part."""
-    return {EXCHANGE: [(record["bytes_each"], record["seconds"])]} if record["flows"] else {}
+    """calibrate's node-exchange record ({flows, bytes_each, seconds[, points]}) as a fit
+    target: every measured size (points; without them the one size), or none where no
+    pair took part."""
+    if not record["flows"]:
+        return {}
+    points = record.get("points") or [(record["bytes_each"], record["seconds"])]
+    return {EXCHANGE: [(int(size), float(t)) for size, t in points]}
 
 
 def _family(key: str) -> str:

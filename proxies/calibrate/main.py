@@ -120,6 +120,22 @@ def sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def exchange_record(points: list[tuple[int, float]], flows: int) -> dict:
+    """The node exchange as the file records it: the largest size's seconds and what the
+    node moved in all then (bandwidth), and every size's seconds (points, the fit's
+    targets); flows 0 and no points where no pair took part."""
+    if not points:
+        return {"flows": 0, "bytes_each": 0, "seconds": 0.0, "bandwidth": 0.0, "points": []}
+    size, seconds = points[-1]
+    return {
+        "flows": flows,
+        "bytes_each": size,
+        "seconds": sig(seconds),
+        "bandwidth": sig(flows * size / seconds),
+        "points": [[s, sig(t)] for s, t in points],
+    }
+
+
 def p2p(comm, MPI, barrier, a: int, b: int, quick: bool) -> tuple[Level, dict]:
     sizes = measure.QUICK_PINGPONG_SIZES if quick else measure.PINGPONG_SIZES
     points = measure.pingpong(comm, MPI, barrier, a, b, sizes, quick)
@@ -206,30 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     pb = topo.node_of.index(pairs[0], pa + 1)
     say(f"  intra-node ping-pong, ranks {pa} and {pb} ...", flush=True)
     intra, calibration["intra_node"] = p2p(comm, MPI, idle, pa, pb, quick)
-    node_bw = None
-    size = (1 if quick else 16) << 20
-    say(f"  every rank of node 0 exchanging {size >> 20} MiB at once ...", flush=True)
-    node_bw, flows, seconds = measure.node_exchange(
-        comm, MPI, idle, calm_nodes, size, 2 if quick else 5
-    )
-    calibration["node"] = {
-        "flows": flows,
-        "bytes_each": size,
-        "seconds": sig(seconds),
-        "bandwidth": sig(node_bw),
-    }
-    node_bw = node_bw or None  # one active rank per node: no pair to measure
-    crowded_node_bw = None
+    # the node exchange: three passes (one with quick), here, after the allreduces and
+    # after the state (measure.Exchanges)
+    sizes = measure.QUICK_EXCHANGE_SIZES if quick else measure.EXCHANGE_SIZES
+    exchanges = [measure.Exchanges(comm, MPI, idle, calm_nodes, sizes, 2 if quick else 5)]
     if crowded:
-        crowded_node_bw, flows, seconds = measure.node_exchange(
-            comm, MPI, idle, topo.node_of, size, 2 if quick else 5
-        )
-        calibration["oversubscribed_node"] = {
-            "flows": flows,
-            "bytes_each": size,
-            "seconds": sig(seconds),
-            "bandwidth": sig(crowded_node_bw),
-        }
+        exchanges.append(measure.Exchanges(comm, MPI, idle, topo.node_of, sizes, 2 if quick else 5))
+
+    def exchange_pass(k: int) -> None:
+        if k and quick:
+            return
+        mib = ", ".join(f"{s / (1 << 20):g}" for s in sizes)
+        say(f"  every rank of node 0 exchanging {mib} MiB at once (pass {k + 1}) ...", flush=True)
+        for ex in exchanges:
+            ex.measure()
+
+    exchange_pass(0)
     inter, nic = None, None
     if nodes >= 2:
         a, b = first[0], first[1]
@@ -290,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     times = comm.bcast(times, root=0)
     calibration["allreduce"] = {k: [[s, sig(t)] for s, t in v] for k, v in times.items()}
+    exchange_pass(1)
     # what else the fit answers to: MPI's all-to-all, and the node exchange's
-    # plain messages (cold, both ways) measured above
+    # plain messages (cold, both ways)
     from proxies.calibrate.fit import ALLTOALL, exchange_target
 
     a2a_sizes = measure.QUICK_ALLTOALL_SIZES if quick else measure.ALLTOALL_SIZES
@@ -312,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
             "untouched": [[s, sig(t)] for s, t in untouched],
         }
         targets[f"{ALLTOALL}mpi"] = a2a
-    targets |= exchange_target(calibration["node"])
     # -- the machine's state now, on the ping-pong's two ranks: python -m
     # proxies.calibrate.probe measures the same later (a run in another state is slower or
     # faster than predicted, whatever the model)
@@ -325,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     now = comm.bcast(now, root=pa)
     calibration["state"] = {k: sig(v) if isinstance(v, float) else v for k, v in now.items()}
+    exchange_pass(2)
+    calibration["node"] = exchange_record(exchanges[0].points(), exchanges[0].flows)
+    node_bw = calibration["node"]["bandwidth"] or None  # one active rank: no pair to measure
+    crowded_node_bw = None
+    if crowded:
+        calibration["oversubscribed_node"] = exchange_record(
+            exchanges[1].points(), exchanges[1].flows
+        )
+        crowded_node_bw = calibration["oversubscribed_node"]["bandwidth"]
+    targets |= exchange_target(calibration["node"])
     crowded_times = None
     if crowded:
         say(f"  allreduce algorithms on all {n} ranks, yielding waits ...", flush=True)

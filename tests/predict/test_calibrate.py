@@ -60,6 +60,21 @@ def test_arena_hands_out_slices_the_caches_have_lost():
     assert b.__array_interface__["data"][0] - a.__array_interface__["data"][0] == 4096
 
 
+def test_the_node_exchange_record_keeps_every_size_and_the_fit_answers_to_each():
+    from proxies.calibrate.fit import EXCHANGE, exchange_target
+    from proxies.calibrate.main import exchange_record
+
+    points = [(1 << 20, 1e-4), (4 << 20, 3e-4), (16 << 20, 1.6e-3)]
+    record = exchange_record(points, 2)
+    assert record["bytes_each"] == 16 << 20 and record["seconds"] == 1.6e-3
+    assert math.isclose(record["bandwidth"], 2 * (16 << 20) / 1.6e-3, rel_tol=1e-3)
+    assert exchange_target(record) == {EXCHANGE: points}
+    old = {k: record[k] for k in ("flows", "bytes_each", "seconds", "bandwidth")}
+    assert exchange_target(old) == {EXCHANGE: [(16 << 20, 1.6e-3)]}  # a file from before
+    none = exchange_record([], 0)
+    assert none["flows"] == 0 and none["points"] == [] and exchange_target(none) == {}
+
+
 def test_mpi_table_takes_the_nearer_measured_size():
     """A size between two measured ones is priced as the nearer one (on a log scale), not
     as the larger: MPI's 2 MiB allreduce follows what it did at 1 MiB, not at 16 MiB."""
