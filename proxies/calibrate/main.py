@@ -25,8 +25,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from proxies.calibrate import measure, state, unexpected
+from proxies.calibrate import exchange, measure, state, unexpected
 from proxies.calibrate.describe import comments, summary
+from proxies.calibrate.measure import sig
 from proxies.core import cli, report
 from proxies.core.machine import Level, Machine, dumps
 
@@ -116,26 +117,6 @@ def topology(comm, MPI, emulate: int | None) -> Topology:
     )  # fmt: skip
 
 
-def sig(x: float, digits: int = 4) -> float:
-    return float(f"{x:.{digits}g}")
-
-
-def exchange_record(points: list[tuple[int, float]], flows: int) -> dict:
-    """The node exchange as the file records it: the largest size's seconds and what the
-    node moved in all then (bandwidth), and every size's seconds (points, the fit's
-    targets); flows 0 and no points where no pair took part."""
-    if not points:
-        return {"flows": 0, "bytes_each": 0, "seconds": 0.0, "bandwidth": 0.0, "points": []}
-    size, seconds = points[-1]
-    return {
-        "flows": flows,
-        "bytes_each": size,
-        "seconds": sig(seconds),
-        "bandwidth": sig(flows * size / seconds),
-        "points": [[s, sig(t)] for s, t in points],
-    }
-
-
 def p2p(comm, MPI, barrier, a: int, b: int, quick: bool) -> tuple[Level, dict]:
     sizes = measure.QUICK_PINGPONG_SIZES if quick else measure.PINGPONG_SIZES
     points = measure.pingpong(comm, MPI, barrier, a, b, sizes, quick)
@@ -223,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     say(f"  intra-node ping-pong, ranks {pa} and {pb} ...", flush=True)
     intra, calibration["intra_node"] = p2p(comm, MPI, idle, pa, pb, quick)
     # the node exchange: three passes (one with quick), here, after the allreduces and
-    # after the state (measure.Exchanges)
-    sizes = measure.QUICK_EXCHANGE_SIZES if quick else measure.EXCHANGE_SIZES
-    exchanges = [measure.Exchanges(comm, MPI, idle, calm_nodes, sizes, 2 if quick else 5)]
+    # after the state (exchange.Exchanges)
+    sizes = exchange.QUICK_EXCHANGE_SIZES if quick else exchange.EXCHANGE_SIZES
+    exchanges = [exchange.Exchanges(comm, MPI, idle, calm_nodes, sizes, 2 if quick else 5)]
     if crowded:
-        exchanges.append(measure.Exchanges(comm, MPI, idle, topo.node_of, sizes, 2 if quick else 5))
+        exchanges.append(
+            exchange.Exchanges(comm, MPI, idle, topo.node_of, sizes, 2 if quick else 5)
+        )
 
     def exchange_pass(k: int) -> None:
         if k and quick:
@@ -245,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         inter, calibration["inter_node"] = p2p(comm, MPI, idle, a, b, quick)
         size = (1 if quick else 16) << 20
         say(f"  concurrent flows into node 0, {size >> 20} MiB each ...", flush=True)
-        nic, flows, seconds = measure.incast(comm, MPI, idle, topo.node_of, size, 2 if quick else 5)
+        nic, flows, seconds = exchange.incast(
+            comm, MPI, idle, topo.node_of, size, 2 if quick else 5
+        )
         calibration["nic"] = {
             "flows": flows,
             "bytes_each": size,
@@ -334,11 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     now = comm.bcast(now, root=pa)
     calibration["state"] = {k: sig(v) if isinstance(v, float) else v for k, v in now.items()}
     exchange_pass(2)
-    calibration["node"] = exchange_record(exchanges[0].points(), exchanges[0].flows)
+    calibration["node"] = exchange.exchange_record(exchanges[0].points(), exchanges[0].flows)
     node_bw = calibration["node"]["bandwidth"] or None  # one active rank: no pair to measure
     crowded_node_bw = None
     if crowded:
-        calibration["oversubscribed_node"] = exchange_record(
+        calibration["oversubscribed_node"] = exchange.exchange_record(
             exchanges[1].points(), exchanges[1].flows
         )
         crowded_node_bw = calibration["oversubscribed_node"]["bandwidth"]

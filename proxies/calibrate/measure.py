@@ -22,6 +22,12 @@ import numpy as np
 
 from proxies.core import pages
 
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: how the machine file records a measured figure."""
+    return float(f"{x:.{digits}g}")
+
+
 TAG = 31000  # below the collectives' tags (32000+), away from the proxies' small ones
 
 # 8 B .. 32 MiB by 4, then 64 MiB; quick: 8 B .. 2 MiB by 8
@@ -151,113 +157,6 @@ def fit_hockney(points: Sequence[tuple[int, float]]) -> tuple[float, float, list
         alpha = max(float(np.min(t - s * inv_bw)), float(np.min(t)) * 1e-3)
     fitted = alpha + s * inv_bw
     return float(alpha), float(1 / inv_bw), [float(x) for x in (fitted - t) / t]
-
-
-def incast(
-    comm, MPI, barrier: Callable[[], None], node_of: Sequence[int], size: int, reps: int
-) -> tuple[float, int, float] | None:
-    """Concurrent flows into one node: every rank of nodes 1.. sends `size` bytes to a rank
-    of node 0 (round robin), all at once. (bytes/s into node 0, flows, median seconds);
-    None with fewer than 2 nodes. What node 0's interface(s) took in at once is the NIC's
-    bandwidth, unless the senders' side is narrower (few sending nodes): say so. Timed
-    from an MPI_Barrier after `barrier` (node_exchange says why)."""
-    if max(node_of) < 1:
-        return None
-    receivers = [q for q, n in enumerate(node_of) if n == 0]
-    senders = [q for q, n in enumerate(node_of) if n != 0]
-    target = {s: receivers[i % len(receivers)] for i, s in enumerate(senders)}
-    mine = [s for s in senders if target[s] == comm.rank]
-    buf = pages.zeros(size * max(1, len(mine)), np.uint8)
-    buf[...] = 1
-    times = []
-    for rep in range(1 + reps):
-        barrier()
-        comm.Barrier()  # MPI's own, spinning: the yielding one lets ranks leave a sleep apart
-        t0 = MPI.Wtime()
-        if comm.rank in target:
-            comm.Send(buf[:size], dest=target[comm.rank], tag=TAG + 1)
-        elif mine:
-            reqs = [
-                comm.Irecv(buf[i * size : (i + 1) * size], source=s, tag=TAG + 1)
-                for i, s in enumerate(mine)
-            ]
-            MPI.Request.Waitall(reqs)
-        took = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
-        if rep:
-            times.append(took)
-    seconds = statistics.median(times)
-    return len(senders) * size / seconds, len(senders), seconds
-
-
-# the node exchange's sizes: the proxies' halo and pipeline messages (1 and 4 MiB) and past
-# the caches (16 MiB); quick: 1 MiB
-EXCHANGE_SIZES = (1 << 20, 4 << 20, 16 << 20)
-QUICK_EXCHANGE_SIZES = (1 << 20,)
-
-
-def node_exchange(
-    comm, MPI, barrier: Callable[[], None], node_of: Sequence[int], sizes: Sequence[int], reps: int
-) -> tuple[dict[int, list[float]], int]:
-    """Every rank of node 0 at once (node_of -1: a rank that takes no part): pairs (0,1),
-    (2,3) ... exchange each size both ways (Sendrecv, cold buffers): what all of a node's
-    intra-node messages together can reach, when the cores copy them. `reps` timed
-    exchanges per size after one untimed, each pair meeting (an empty Sendrecv) after the
-    barrier: the barrier is the yielding one where ranks outnumber cores, whose sleeps let
-    one side start up to a millisecond late (a 0.17 ms 1 MiB exchange measured 0.43 -
-    1.0 ms). ({size: seconds of each, slowest rank}, flows); no times where fewer than 2
-    ranks take part."""
-    mine = [q for q, n in enumerate(node_of) if n == 0]
-    pairs = len(mine) // 2
-    if not pairs:  # one rank takes part: nothing to measure (0 flows)
-        barrier()
-        return {}, 0
-    paired = mine[: 2 * pairs]
-    arena = Arena(2 * max(sizes))
-    empty, none = np.zeros(0, np.uint8), np.zeros(0, np.uint8)
-    times: dict[int, list[float]] = {size: [] for size in sizes}
-    for size in sizes:
-        for rep in range(1 + reps):
-            out, into = arena.take(size), arena.take(size)
-            barrier()
-            took = 0.0
-            if comm.rank in paired:
-                peer = paired[paired.index(comm.rank) ^ 1]
-                # both sides leave a yielding barrier up to a sleep apart: meet first
-                comm.Sendrecv(empty, dest=peer, sendtag=TAG + 3, recvbuf=none, source=peer,
-                              recvtag=TAG + 3)  # fmt: skip
-                t0 = MPI.Wtime()
-                comm.Sendrecv(
-                    out, dest=peer, sendtag=TAG + 2, recvbuf=into, source=peer, recvtag=TAG + 2
-                )
-                took = MPI.Wtime() - t0
-            barrier()  # ranks not taking part wait without spinning (they would take the cores)
-            took = comm.allreduce(took, op=MPI.MAX)
-            if rep:
-                times[size].append(took)
-    return times, 2 * pairs
-
-
-class Exchanges:
-    """The node exchange, measured in passes that calibrate spreads over its run: a
-    disturbance of the machine while one pass runs (the whole of a pass's 16 MiB
-    exchanges at 5x their time once, 1 MiB's at 6x in another calibration) then moves a
-    third of each size's times, not their median."""
-
-    def __init__(self, comm, MPI, barrier, node_of, sizes: Sequence[int], reps: int) -> None:
-        self.run = lambda: node_exchange(comm, MPI, barrier, node_of, sizes, reps)
-        self.times: dict[int, list[float]] = {size: [] for size in sizes}
-        self.flows = 0
-
-    def measure(self) -> None:
-        times, self.flows = self.run()
-        for size, seen in times.items():
-            self.times[size] += seen
-
-    def points(self) -> list[tuple[int, float]]:
-        """[(size, median seconds over every pass)]; none where no pair took part."""
-        if not self.flows:
-            return []
-        return [(size, statistics.median(seen)) for size, seen in self.times.items()]
 
 
 def kernel_rate(

@@ -4,10 +4,10 @@ Within a node, MPICH (and Open MPI where its shared-memory transport has CMA or 
 moves a large message with a single copy straight from the sender's memory (Linux CMA:
 process_vm_readv), which looks up and pins the sender's pages on every message and
 writes through the receiver's page tables. On 4 KiB pages that is a large part of the
-cost; on 2 MiB pages it is not. Measured with benchmarks/huge_pages.py (2 ranks, 2-core VM, MPICH 5.0.2, buffers
-not in the caches): 2 MiB exchanged both ways took 248-253 us on np.zeros buffers and
-150-154 us on these; an in-place 3.4 MiB MPI_Allreduce 739-755 us against 388-405
-(Open MPI 5.0.11: 244 against 140 us, 711 against 338).
+cost; on 2 MiB pages it is not. Measured with benchmarks/huge_pages.py (2 ranks, 2-core
+VM, MPICH 5.0.2, buffers not in the caches): 2 MiB exchanged both ways took 248-253 us on
+np.zeros buffers and 150-154 us on these; an in-place 3.4 MiB MPI_Allreduce 739-755 us
+against 388-405 (Open MPI 5.0.11: 244 against 140 us, 711 against 338).
 
 NumPy asks the kernel for huge pages (MADV_HUGEPAGE) only for arrays of 4 MiB and more,
 so with np.zeros a run's buffers below 4 MiB got small pages and its larger ones huge

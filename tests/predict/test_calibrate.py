@@ -61,8 +61,8 @@ def test_arena_hands_out_slices_the_caches_have_lost():
 
 
 def test_the_node_exchange_record_keeps_every_size_and_the_fit_answers_to_each():
+    from proxies.calibrate.exchange import exchange_record
     from proxies.calibrate.fit import EXCHANGE, exchange_target
-    from proxies.calibrate.main import exchange_record
 
     points = [(1 << 20, 1e-4), (4 << 20, 3e-4), (16 << 20, 1.6e-3)]
     record = exchange_record(points, 2)
