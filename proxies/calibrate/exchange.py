@@ -62,10 +62,10 @@ def node_exchange(
     (2,3) ... exchange each size both ways (Sendrecv, cold buffers): what all of a node's
     intra-node messages together can reach, when the cores copy them. `reps` timed
     exchanges per size after one untimed, each pair meeting (an empty Sendrecv) after the
-    barrier: the barrier is the yielding one where ranks outnumber cores, whose sleeps let
-    one side start up to a millisecond late (a 0.17 ms 1 MiB exchange measured 0.43 -
-    1.0 ms). ({size: seconds of each, slowest rank}, flows); no times where fewer than 2
-    ranks take part."""
+    barrier: calibrate's barrier is a yielding one, whose sleeps let one side start up to a
+    millisecond late (timed from it, a 1 MiB exchange of 0.09 ms measured 0.17 - 1.0 ms).
+    ({size: seconds of each, slowest rank}, flows); no times where fewer than 2 ranks take
+    part."""
     mine = [q for q, n in enumerate(node_of) if n == 0]
     pairs = len(mine) // 2
     if not pairs:  # one rank takes part: nothing to measure (0 flows)
@@ -98,10 +98,10 @@ def node_exchange(
 
 
 class Exchanges:
-    """The node exchange, measured in passes that calibrate spreads over its run: a
-    disturbance of the machine while one pass runs (the whole of a pass's 16 MiB
-    exchanges at 5x their time once, 1 MiB's at 6x in another calibration) then moves a
-    third of each size's times, not their median."""
+    """The node exchange, measured in passes that calibrate spreads over its run (as the
+    ping-pong spreads its round trips over sweeps): a disturbance of the machine, or a
+    change of its state, while one pass runs moves a third of each size's times, not
+    their median."""
 
     def __init__(self, comm, MPI, barrier, node_of, sizes: Sequence[int], reps: int) -> None:
         self.run = lambda: node_exchange(comm, MPI, barrier, node_of, sizes, reps)

@@ -206,11 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     # the node exchange: three passes (one with quick), here, after the allreduces and
     # after the state (exchange.Exchanges)
     sizes = exchange.QUICK_EXCHANGE_SIZES if quick else exchange.EXCHANGE_SIZES
-    exchanges = [exchange.Exchanges(comm, MPI, idle, calm_nodes, sizes, 2 if quick else 5)]
+    ex_reps = 2 if quick else 5  # per size and pass; the incast's too
+    exchanges = [exchange.Exchanges(comm, MPI, idle, calm_nodes, sizes, ex_reps)]
     if crowded:
-        exchanges.append(
-            exchange.Exchanges(comm, MPI, idle, topo.node_of, sizes, 2 if quick else 5)
-        )
+        exchanges.append(exchange.Exchanges(comm, MPI, idle, topo.node_of, sizes, ex_reps))
 
     def exchange_pass(k: int) -> None:
         if k and quick:
@@ -228,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         inter, calibration["inter_node"] = p2p(comm, MPI, idle, a, b, quick)
         size = (1 if quick else 16) << 20
         say(f"  concurrent flows into node 0, {size >> 20} MiB each ...", flush=True)
-        nic, flows, seconds = exchange.incast(
-            comm, MPI, idle, topo.node_of, size, 2 if quick else 5
-        )
+        nic, flows, seconds = exchange.incast(comm, MPI, idle, topo.node_of, size, ex_reps)
         calibration["nic"] = {
             "flows": flows,
             "bytes_each": size,
