@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import zlib
 
-import ml_dtypes
 import numpy as np
 
 from proxies.core import wire
@@ -240,7 +239,7 @@ def _judge(
     T, M, P, xs, axs = ins.T
     sizes = _sizes(y.size)
     if np.issubdtype(dtype, np.floating) or wire.is_sixteen(dtype):
-        info = ml_dtypes.finfo(dtype)
+        info = wire.finfo(dtype)
         eps, sig, big = float(info.eps), float(info.smallest_subnormal), float(info.max)
     else:  # integers add exactly
         eps, sig, big = 0.0, 0.0, np.inf

@@ -44,6 +44,8 @@ PARTS = (
 # a lone process's resident set measured 62 MiB for every proxy; a supervised rank (core/
 # supervisor.py: the pages its fork shares are not resident in the rank until touched)
 # 40-41 MiB, plus 7-8 MiB its supervisor holds alone: 47-49 MiB. 56 MiB is within 15% of both.
+# ml_dtypes, imported since only by bfloat16 runs, was 8 MiB of the lone process's 62; a
+# supervised rank measures 47-50 MiB as before (test_memory's probe, gpt3-tiny and dlrm).
 BASELINE_BYTES = 56 * 2**20
 
 # MPI's own scratch for a large collective, as a fraction of the largest buffer a rank

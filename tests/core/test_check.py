@@ -19,7 +19,7 @@ from launch import mpirun
 from proxies.core import check, exits, wire
 
 MPI = SimpleNamespace(SUM="sum")
-F32, BF16, F16 = np.dtype(np.float32), wire.BFLOAT16, np.dtype(np.float16)
+F32, BF16, F16 = np.dtype(np.float32), wire.bfloat16(), np.dtype(np.float16)
 DTYPES = [F32, BF16, F16]
 # The 3.5M-element cases in 16 bits take a second each (NumPy converts every block): `slow`,
 # out of the inner loop, which keeps float32; the full suite runs all three.
