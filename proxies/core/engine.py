@@ -154,6 +154,7 @@ class Engine:
         self.progress: Progress | None = None
         self.staging = wire.Staging()
         self._sent: dict[int, np.ndarray] = {}  # all-to-all receive buffer id -> staged send
+        self._splits: dict[tuple, tuple | None] = {}  # _uneven's answers
         self.faults = faults  # faults.RankFaults of this rank: --slow-rank, --jitter ...
         # --trace: a trace.Recorder while an iteration is traced, else None. Every hook is
         # behind one `is not None` check: nothing else is added to an untraced op.
@@ -332,9 +333,9 @@ class Engine:
         elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
         elif op.kind in ("allgather", "reduce_scatter") and (
-            len(set(counts := [b.size for b in check.blocks(flat, n, op.unit)])) > 1
+            uneven := self._uneven(flat.size, n, op.unit)
         ):
-            displs = np.cumsum([0] + counts[:-1]).tolist()
+            counts, displs = uneven
             spec = [x, (counts, displs), wire.mpi_type(MPI, flat.dtype)]
             calls = [
                 ("Allgatherv", (MPI.IN_PLACE, spec))
@@ -368,6 +369,17 @@ class Engine:
             else:
                 reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
         return buf, out, reqs, state
+
+    def _uneven(self, size: int, n: int, unit: int) -> tuple[list, list] | None:
+        """(counts, displacements) of check.blocks' split of `size` elements over n ranks
+        where the blocks differ in size (the v-variants' arguments), else None; worked out
+        once per shape, not on every call (16 us a call inside a run here)."""
+        key = (size, n, unit)
+        if key not in self._splits:
+            counts = [b.size for b in check.blocks(np.empty(size, np.uint8), n, unit)]
+            displs = np.cumsum([0] + counts[:-1]).tolist()
+            self._splits[key] = (counts, displs) if len(set(counts)) > 1 else None
+        return self._splits[key]
 
     def _start_v(self, op: Collective, comm, blocking: bool):
         """alltoallv: the runtime's `alltoallv(name, iteration)` gives (send, scounts, recv,
