@@ -370,16 +370,20 @@ class Engine:
                 reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
         return buf, out, reqs, state
 
-    def _uneven(self, size: int, n: int, unit: int) -> tuple[list, list] | None:
-        """(counts, displacements) of check.blocks' split of `size` elements over n ranks
-        where the blocks differ in size (the v-variants' arguments), else None; worked out
-        once per shape, not on every call (16 us a call inside a run here)."""
+    def _split(self, size: int, n: int, unit: int) -> tuple[list, list]:
+        """(counts, displacements) of check.blocks' split of `size` elements over n ranks,
+        worked out once per shape, not on every call (8 - 16 us a call inside a run here)."""
         key = (size, n, unit)
-        if key not in self._splits:
+        split = self._splits.get(key)
+        if split is None:
             counts = [b.size for b in check.blocks(np.empty(size, np.uint8), n, unit)]
-            displs = np.cumsum([0] + counts[:-1]).tolist()
-            self._splits[key] = (counts, displs) if len(set(counts)) > 1 else None
-        return self._splits[key]
+            split = self._splits[key] = (counts, np.cumsum([0] + counts[:-1]).tolist())
+        return split
+
+    def _uneven(self, size: int, n: int, unit: int) -> tuple[list, list] | None:
+        """_split where the blocks differ in size (the v-variants' arguments), else None."""
+        split = self._split(size, n, unit)
+        return split if len(set(split[0])) > 1 else None
 
     def _start_v(self, op: Collective, comm, blocking: bool):
         """alltoallv: the runtime's `alltoallv(name, iteration)` gives (send, scounts, recv,
@@ -408,9 +412,12 @@ class Engine:
         result into the compute buffer."""
         comm = self.comms[op.group]
         if op.kind == "reduce_scatter" and comm.rank:
-            # MPI leaves this rank's reduced block at the front; it belongs at its position.
-            blocks = check.blocks(out, comm.size, op.unit)
-            blocks[comm.rank][...] = out.reshape(-1)[: blocks[comm.rank].size]
+            # MPI leaves this rank's reduced block at the front; it belongs at its position
+            # (which starts past the front block's end: the copy never overlaps).
+            flat = out.reshape(-1)
+            counts, displs = self._split(flat.size, comm.size, op.unit)
+            lo, size = displs[comm.rank], counts[comm.rank]
+            flat[lo : lo + size] = flat[:size]
         if self.fault in ("corrupt-nan", "corrupt-add") and op.kind in check.REDUCTIONS:
             _corrupt_result(op, comm, out, self.fault)
         error = None
