@@ -44,16 +44,16 @@ from proxies.collectives.options import PROG, parser, resolve, sizes
 from proxies.core import cli, exits, pages, provenance, wire
 
 
-def resolve_wait(MPI, comm, mode: str) -> str:
-    """auto: yield when some node has more ranks than cores (as the proxies decide)."""
-    if mode != "auto":
-        return mode
+def resolve_wait(MPI, comm, mode: str) -> tuple[str, int]:
+    """The waits (auto: yield when some node has more ranks than cores, as the proxies
+    decide) and the ranks on the run's largest node."""
     from proxies.core import threads
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     crowded = node.allreduce(node.size > threads.cores_available(), op=MPI.LOR)
+    largest = comm.allreduce(node.size, op=MPI.MAX)
     node.Free()
-    return "yield" if crowded else "spin"
+    return (("yield" if crowded else "spin") if mode == "auto" else mode), largest
 
 
 def time_one(comm, MPI, waiter, call, buf, recv, args) -> tuple[float, list[float] | None]:
@@ -168,6 +168,13 @@ def load_machine(args):
     return cli.load_machine(args.machine, args.machine_set, args.ranks_per_node)
 
 
+def per_node(args, machine, n: int) -> int:
+    """Ranks per node the prediction places: --ranks-per-node; else on a run, the run's own
+    placement (its largest node); else the file's. At most the n ranks there are."""
+    rpn = args.ranks_per_node or getattr(args, "placed_per_node", None)
+    return min(rpn or machine.ranks_per_node, n)
+
+
 def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
     return bench_ops.predicted_seconds(
         machine,
@@ -177,7 +184,7 @@ def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
         count,
         dtype.name,
         args.root,
-        args.ranks_per_node,
+        per_node(args, machine, n),
         args.predict,
         getattr(args, "wait", None) or "auto",
     )
@@ -197,7 +204,7 @@ def dry_run(args, algs: list[str], machine) -> int:
     n = args.world_size or cli.env_world_size() or 1
     check_root(args, n)
     dtype = wire.numpy_dtype(args.dtype)
-    rpn = args.ranks_per_node or machine.ranks_per_node
+    rpn = per_node(args, machine, n)
     if n > rpn and machine.inter is None:
         raise cli.UsageError(
             f"{args.machine}: {n} ranks at {rpn} per node need more than one node, but the "
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     n, r = comm.size, comm.rank
     check_root(args, n)  # every rank decides alike: rank 0 says it, all exit 2
     op = OPS[args.collective]
-    wait = resolve_wait(MPI, comm, args.wait)
+    wait, args.placed_per_node = resolve_wait(MPI, comm, args.wait)
     waiter = Waiter(MPI, wait)
     waitfn = waiter.waitall if wait == "yield" else None
     dtype = wire.numpy_dtype(args.dtype)
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             + (" · -I 1: i_* per call, max over ranks" if args.per_iter_timing else ""),
         ]
         if machine is not None:
-            rpn = args.ranks_per_node or machine.ranks_per_node
+            rpn = per_node(args, machine, n)
             head.append(
                 f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
                 f"model's busbw, meas/pred = measured over predicted"

@@ -35,7 +35,7 @@ def representatives(grid, fold: Sequence[str]) -> np.ndarray:
 
 
 def compute_cost(
-    args, machine, replay: dict | None = None
+    args, machine, world: int, replay: dict | None = None
 ) -> tuple[Callable[[int, Compute], float], str]:
     """(rank, op) -> predicted seconds of a Compute op in args.compute's mode, and a phrase
     saying how. model: the run's --device-tflops if given, else the machine's device rate;
@@ -66,7 +66,7 @@ def compute_cost(
             f"{machine.source or machine.name}: compute.matmul (or compute.device) is needed "
             f"to predict --compute {mode}; give it, or predict --compute model or none"
         )
-    rpn, cores = machine_rpn(args, machine), machine.cores_per_node
+    rpn, cores = machine_rpn(args, machine, world), machine.cores_per_node
     share = max(1.0, rpn / cores)
     how = f"compute as FLOPs at {rate / 1e9:g} GFLOP/s per rank"
     if share > 1:
@@ -74,8 +74,18 @@ def compute_cost(
     return (lambda r, op: op.flops / rate * share), how
 
 
-def machine_rpn(args, machine) -> int:
-    return getattr(args, "ranks_per_node", None) or machine.ranks_per_node
+def machine_rpn(args, machine, world: int) -> int:
+    """Ranks per node of a prediction: --ranks-per-node; else on a real run the run's own
+    placement (its largest node, by MPI's shared-memory split: the runner sets
+    `placed_per_node`); else the file's nodes.ranks_per_node. Never more than the world:
+    2 ranks on nodes of 4 are 2 ranks on one node (a file calibrated with 4 ranks on 2
+    cores then prices a 2-rank run as uncrowded, as it runs)."""
+    rpn = (
+        getattr(args, "ranks_per_node", None)
+        or getattr(args, "placed_per_node", None)
+        or machine.ranks_per_node
+    )
+    return min(rpn, world)
 
 
 def fold_dims(job, world: int, ops_per_rank: int, fold: str = "auto") -> tuple[str, ...]:
@@ -107,7 +117,7 @@ def run_prediction(
     perturbed = faults.of(args)  # --slow-rank, --jitter, --slow-link: ranks no longer alike
     fold = "never" if perturbed is not None and perturbed.perturbs else fold
     dims = fold_dims(job, world, len(first.ops), fold)
-    rpn = machine_rpn(args, machine)
+    rpn = machine_rpn(args, machine, world)
     topo = Topology(machine, rpn, getattr(args, "wait", None) or "auto")
     if world > rpn and machine.inter is None:
         raise cli.UsageError(
@@ -121,7 +131,7 @@ def run_prediction(
     else:
         rep_of, ranks = None, list(range(world))
     simulated = [first if r == 0 else built.get(r) or job.plan(r) for r in ranks]
-    cost, how = compute_cost(args, machine, replay)
+    cost, how = compute_cost(args, machine, world, replay)
     cost, how = faults.perturbed_cost(perturbed, cost, how, args.warmup)
     algorithm = chooser(machine, args.allreduce)
     buffers = None
@@ -149,8 +159,10 @@ def run_prediction(
         else f"{len(ranks)} of {world} ranks (identical ranks once: ranks differing only in "
         f"{'/'.join(dims)} are images of the one with those coordinates 0)"
     )
+    placed = not getattr(args, "ranks_per_node", None) and getattr(args, "placed_per_node", None)
     note = (
-        f"predicted on {machine.name} ({rpn} ranks per node, {nodes} node{'s' * (nodes > 1)}): "
+        f"predicted on {machine.name} ({rpn} ranks per node"
+        f"{', as this run placed them' if placed else ''}, {nodes} node{'s' * (nodes > 1)}): "
         f"simulated {what}, collectives {pred.detail}, {pred.flows:,} flows; {how}; "
         f"allreduce {args.allreduce}"
     )

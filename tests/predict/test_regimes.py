@@ -360,13 +360,13 @@ def test_slept_compute_lasts_wake_longer():
 
     m = replace(crowded_machine(2), wake=70e-6)
     args = SimpleNamespace(compute="model", device_tflops=1.0, ranks_per_node=2)
-    cost, _ = compute_cost(args, m)
+    cost, _ = compute_cost(args, m, 2)
     assert math.isclose(cost(0, Compute("forward", flops=1e9)), 1e-3 + 70e-6, rel_tol=1e-12)
     assert cost(0, Compute("forward", flops=0.0)) == 0.0
-    cost, _ = compute_cost(args, replace(m, wake=0.0))
+    cost, _ = compute_cost(args, replace(m, wake=0.0), 2)
     assert math.isclose(cost(0, Compute("forward", flops=1e9)), 1e-3, rel_tol=1e-12)
     args.compute = "none"
-    assert compute_cost(args, m)[0](0, Compute("forward", flops=1e9)) == 0.0
+    assert compute_cost(args, m, 2)[0](0, Compute("forward", flops=1e9)) == 0.0
 
 
 def test_mpi_latency_prices_the_library_collectives_steps_on_a_crowded_node():
@@ -532,3 +532,89 @@ def test_unexpected_messages_take_the_tests_of_the_wait_they_reach():
     assert math.isclose(allreduce_end(8, m=replace(m, oversub_unexpected=None)), alone)
     roomy = replace(m, cores_per_node=3)
     assert math.isclose(allreduce_end(8, m=roomy), allreduce_end(0, m=roomy), rel_tol=1e-9)
+
+
+# -- where the ranks of a prediction sit ------------------------------------------------------
+
+# A file calibrated with 4 ranks on 2 cores: its own placement is crowded.
+CROWDED4 = FULL | {"nodes": {"ranks_per_node": 4, "cores_per_node": 2}}
+GPT3 = ["proxies.gpt3", "2", "1", "--model", "gpt3-tiny", "--tp", "2", "--seq-len", "32"]
+
+
+def test_a_prediction_places_ranks_as_told_as_the_run_did_or_as_the_file_says():
+    from types import SimpleNamespace as NS
+
+    from proxies.core.prediction import machine_rpn
+
+    m = replace(crowded_machine(2), ranks_per_node=4)
+    assert machine_rpn(NS(), m, 8) == 4  # the file's nodes
+    assert machine_rpn(NS(), m, 2) == 2  # 2 ranks on nodes of 4: one node holding 2
+    assert machine_rpn(NS(ranks_per_node=None, placed_per_node=2), m, 8) == 2  # the run's
+    assert machine_rpn(NS(ranks_per_node=1, placed_per_node=2), m, 8) == 1  # the option's
+
+
+def predicted(tmp_path, cmd: list[str], name: str) -> dict:
+    """The prediction in the --json of a run or dry run: its iteration and its note."""
+    import json
+
+    from launch import run
+
+    out = str(tmp_path / f"{name}.json")
+    r = run([*cmd, "--json", out, "--quiet"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.load(open(out))
+    return {"time": got["predicted_iter_time_s"], "note": got["prediction"]}
+
+
+@pytest.mark.slow
+def test_two_ranks_on_a_file_of_four_per_node_are_two_on_one_node(tmp_path):
+    # not crowded: 2 ranks on 2 cores, whatever the file's calibration ran with
+    import sys
+
+    path = write(tmp_path, CROWDED4)
+    dry = [sys.executable, "-m", *GPT3, "--compute", "none", "--dry-run", "--machine", path]
+    two = predicted(tmp_path, [*dry, "--world-size", "2"], "two")
+    told = predicted(tmp_path, [*dry, "--world-size", "2", "--ranks-per-node", "2"], "told")
+    assert "(2 ranks per node, 1 node)" in two["note"]
+    assert two["time"] == told["time"]
+
+
+@pytest.mark.mpi
+def test_a_run_is_predicted_as_it_placed_its_ranks(tmp_path):
+    # mpiexec -n 2 with a file calibrated at 4 ranks per node on 2 cores: priced as the 2
+    # ranks this run has on its node, as the dry run with --ranks-per-node 2 prices it
+    import sys
+
+    from launch import mpiexec
+
+    path = write(tmp_path, CROWDED4)
+    args = [*GPT3, "--compute", "none", "--machine", path]
+    run = [mpiexec(), "-n", "2", sys.executable, "-m", *args, "--iters", "1", "--warmup", "0"]
+    ran = predicted(tmp_path, run, "ran")
+    dry = [sys.executable, "-m", *args, "--dry-run", "--world-size", "2", "--ranks-per-node"]
+    assert "(2 ranks per node, as this run placed them, 1 node)" in ran["note"], ran["note"]
+    assert ran["time"] == predicted(tmp_path, [*dry, "2"], "two")["time"]
+    assert ran["time"] != predicted(tmp_path, [*dry, "1"], "one")["time"]
+
+
+@pytest.mark.mpi
+def test_the_collectives_benchmark_predicts_the_run_as_placed(tmp_path):
+    # its "is my number normal?" column, for the 2 ranks of this run on their node (the
+    # file says 4 a node on 2 cores): the dry run's figure with --ranks-per-node 2
+    import json
+    import sys
+
+    from launch import mpiexec, run
+
+    path = write(tmp_path, CROWDED4)
+    args = ["-b", "1M", "-e", "1M", "-a", "mpi", "--machine", path]
+    out = str(tmp_path / "rows.json")
+    ran = run([mpiexec(), "-n", "2", sys.executable, "-m", "proxies.collectives", *args,
+               "-J", out], timeout=120)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert "predicted on test cluster (2 ranks per node)" in ran.stdout
+    dry = run([sys.executable, "-m", "proxies.collectives", *args, "--dry-run",
+               "--world-size", "2", "--ranks-per-node", "2"], timeout=60)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    row = json.load(open(out))[0]
+    assert f"{row['predicted_time_us']:.1f}" in dry.stdout.splitlines()[-1]
