@@ -154,7 +154,7 @@ class Engine:
         self.progress: Progress | None = None
         self.staging = wire.Staging()
         self._sent: dict[int, np.ndarray] = {}  # all-to-all receive buffer id -> staged send
-        self._splits: dict[tuple, tuple | None] = {}  # _uneven's answers
+        self._splits: dict[tuple, tuple[list, list]] = {}  # _split's answers
         self.faults = faults  # faults.RankFaults of this rank: --slow-rank, --jitter ...
         # --trace: a trace.Recorder while an iteration is traced, else None. Every hook is
         # behind one `is not None` check: nothing else is added to an untraced op.
