@@ -64,6 +64,7 @@ timing.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -105,6 +106,21 @@ def blocks(buf: np.ndarray, n: int, unit: int = 1) -> list[np.ndarray]:
     if unit == 1:
         return np.array_split(buf.reshape(-1), n)
     return [b.reshape(-1) for b in np.array_split(buf.reshape(-1, unit), n)]
+
+
+@functools.cache
+def block_counts(size: int, n: int, unit: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(counts, displacements) of blocks' split of `size` elements over n ranks: worked out
+    once per shape (the engine asks on every allgather and reduce-scatter; building the
+    views each time took 8 - 16 us a call inside a run)."""
+    counts = tuple(b.size for b in blocks(np.empty(size, np.uint8), n, unit))
+    return counts, tuple(np.cumsum((0,) + counts[:-1]).tolist())
+
+
+def uneven(size: int, n: int, unit: int = 1) -> bool:
+    """Whether block_counts' blocks differ in size (the v-variants are needed)."""
+    counts = block_counts(size, n, unit)[0]
+    return counts[0] != counts[-1]
 
 
 def _f64(x: np.ndarray) -> np.ndarray:

@@ -118,6 +118,11 @@ class P2P:
     def nbytes_recv(self) -> int:
         return sum(m.nbytes for m in self.recvs)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the batch moves on this rank: its sends and its receives."""
+        return self.nbytes_sent + self.nbytes_recv
+
 
 @dataclass(frozen=True)
 class Collective:

@@ -1,7 +1,8 @@
 """The engine's wait for the progress thread's lock is communication, not overhead: while
 the thread holds it, it is inside MPI testing the pending requests (MPI moves their data
-then, on the rank's core), so the wait is booked to the oldest incomplete pending op's
-category. Deterministic: a fake clock, no MPI, no thread."""
+then, on the rank's core), so the wait is booked to the incomplete pending ops' categories
+in proportion to their bytes (a test moves whatever MPI has pending, not only the request
+tested). Deterministic: a fake clock, no MPI, no thread."""
 
 import threading
 from types import SimpleNamespace
@@ -16,9 +17,9 @@ def fake_engine(pending: dict, clock: list[float], progress: bool = True):
     return SimpleNamespace(MPI=MPI, progress=thread, pending=pending)
 
 
-def entry(category: str, done: float | None = None) -> list:
+def entry(category: str, done: float | None = None, nbytes: int = 4) -> list:
     # the pending table's layout: [op, buffer, requests, state, posted, completed, out]
-    return [SimpleNamespace(category=category), None, [], None, 0.0, done, None]
+    return [SimpleNamespace(category=category, nbytes=nbytes), None, [], None, 0.0, done, None]
 
 
 def lock_wait(engine, t: IterationTimes) -> None:
@@ -26,15 +27,24 @@ def lock_wait(engine, t: IterationTimes) -> None:
         assert engine.progress is None or engine.progress.lock.locked()
 
 
-def test_the_wait_is_booked_to_the_oldest_incomplete_pending_op():
+def test_the_wait_is_booked_to_the_incomplete_pending_ops_by_their_bytes():
+    # DLRM's case: MLP gradient allreduces posted first, then the 16 MiB all-to-all, whose
+    # copies the thread's tests move: most of the wait is the all-to-all's
     pending = {
-        "a": entry("emb_alltoall", done=0.5),
-        "b": entry("emb_alltoall_bwd"),
-        "c": entry("dp"),
+        "a": entry("emb_alltoall", done=0.5, nbytes=1 << 30),  # completed: MPI moves nothing
+        "top": entry("dp_allreduce", nbytes=1 << 20),
+        "bwd": entry("emb_alltoall", nbytes=3 << 20),
     }
     t = IterationTimes()
     lock_wait(fake_engine(pending, [1.0, 1.25]), t)
-    assert dict(t.seconds) == {"emb_alltoall_bwd": 0.25}  # "a" completed: MPI moves nothing
+    assert dict(t.seconds) == {"dp_allreduce": 0.0625, "emb_alltoall": 0.1875}
+
+
+def test_pending_ops_of_no_bytes_share_the_wait_alike():
+    t = IterationTimes()
+    pending = {"a": entry("x", nbytes=0), "b": entry("y", nbytes=0)}
+    lock_wait(fake_engine(pending, [1.0, 1.5]), t)
+    assert dict(t.seconds) == {"x": 0.25, "y": 0.25}
 
 
 def test_nothing_pending_or_no_thread_books_nothing():
