@@ -42,6 +42,7 @@ from proxies.collectives import bench_ops
 from proxies.collectives.bench_ops import OPS
 from proxies.collectives.options import PROG, parser, resolve, sizes
 from proxies.core import cli, exits, pages, provenance, wire
+from proxies.core.prediction import machine_rpn
 
 
 def resolve_wait(MPI, comm, mode: str) -> tuple[str, int]:
@@ -168,13 +169,6 @@ def load_machine(args):
     return cli.load_machine(args.machine, args.machine_set, args.ranks_per_node)
 
 
-def per_node(args, machine, n: int) -> int:
-    """Ranks per node the prediction places: --ranks-per-node; else on a run, the run's own
-    placement (its largest node); else the file's. At most the n ranks there are."""
-    rpn = args.ranks_per_node or getattr(args, "placed_per_node", None)
-    return min(rpn or machine.ranks_per_node, n)
-
-
 def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
     return bench_ops.predicted_seconds(
         machine,
@@ -184,7 +178,7 @@ def predicted(machine, args, alg: str, count: int, dtype, n: int) -> float:
         count,
         dtype.name,
         args.root,
-        per_node(args, machine, n),
+        machine_rpn(args, machine, n),
         args.predict,
         getattr(args, "wait", None) or "auto",
     )
@@ -204,7 +198,7 @@ def dry_run(args, algs: list[str], machine) -> int:
     n = args.world_size or cli.env_world_size() or 1
     check_root(args, n)
     dtype = wire.numpy_dtype(args.dtype)
-    rpn = per_node(args, machine, n)
+    rpn = machine_rpn(args, machine, n)
     if n > rpn and machine.inter is None:
         raise cli.UsageError(
             f"{args.machine}: {n} ranks at {rpn} per node need more than one node, but the "
@@ -283,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             + (" · -I 1: i_* per call, max over ranks" if args.per_iter_timing else ""),
         ]
         if machine is not None:
-            rpn = per_node(args, machine, n)
+            rpn = machine_rpn(args, machine, n)
             head.append(
                 f"# predicted on {machine.name} ({rpn} ranks per node): pred = the "
                 f"model's busbw, meas/pred = measured over predicted"
