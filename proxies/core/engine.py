@@ -13,14 +13,14 @@ Where time goes, per iteration and rank:
 - dtype_cast: rounding float32 compute buffers to a 16-bit wire dtype and widening what
   arrives (--dtype/--grad-dtype with real compute; see wire.py). Kept out of the
   communication it serves, which it would otherwise inflate;
-- overhead: the rest of the iteration (the engine's own Python between ops). Waiting for
-  the progress thread's lock is not: the thread is inside MPI moving the pending ops'
-  data then, booked to their categories by their bytes (_locked).
+- overhead: the rest of the iteration: the engine's own Python between ops and around a
+  communication op's MPI calls (its buffers found and staged, --check's own exchanges,
+  what the watchdog is told), which an op's category does not include, so that it
+  compares with the same calls in a plain loop (benchmarks/engine_overhead.py). Waiting
+  for the progress thread's lock is not overhead: the thread is inside MPI moving the
+  pending ops' data then, booked to their categories by their bytes (_locked).
 
-Receives use Mprobe + Mrecv rather than pre-posted Irecv, which is what lets the wait be
-split from the transfer; sends are Isend and complete with their batch, so a batch
-(Megatron's batch_isend_irecv) can never deadlock against its mirror image. A batch with
-`req` is non-blocking (Isend and Irecv posted, completed at its Wait): p2p_async.py.
+Point-to-point batches, blocking and non-blocking, are p2p.py's.
 
 How a rank waits (spinning in MPI or test-and-sleep) and the progress thread of non-blocking
 collectives are in waiting.py; what the waits are attributed to after the run, in waits.py.
@@ -39,10 +39,9 @@ from typing import Protocol
 
 import numpy as np
 
-from proxies.core import check, collectives, p2p_async, wire
-from proxies.core.faults import DELAY
-from proxies.core.p2p_async import CAST, MAX_COUNT  # noqa: F401  (engine.MAX_COUNT)
-from proxies.core.p2p_async import pieces as _pieces
+from proxies.core import check, collectives, p2p, wire
+from proxies.core.p2p import CAST, MAX_COUNT  # noqa: F401  (engine.MAX_COUNT)
+from proxies.core.p2p import pieces as _pieces
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait
 from proxies.core.report import HIDDEN, union_seconds
 from proxies.core.waiting import Progress, Waiter, test_each
@@ -142,6 +141,7 @@ class Engine:
         # test hook on this rank: "corrupt", "stall", "crash", "kill" or _corrupt_result's
         self.fault = fault
         self._described: list | None = None  # per op: (text, peer world ranks), for beats
+        self.said: dict = {}  # p2p.texts: what a batch's waits tell the watchdog, per op
         self.iteration = 0
         self.pending: dict[str, list] = {}
         self.waiter = Waiter(MPI, wait)
@@ -179,62 +179,6 @@ class Engine:
             duration = op.model_seconds(self.rate)
             if duration:
                 time.sleep(min(duration, 1e6))  # cli.TIMEOUT_MAX_S; past ~9e9 s sleep overflows
-
-    # -- point to point --------------------------------------------------------------------
-    def _p2p(self, op: P2P, t: IterationTimes) -> None:
-        MPI, comm = self.MPI, self.world
-        t0 = MPI.Wtime()
-        cast0 = t.seconds.get(CAST, 0.0)
-        reqs, staged = p2p_async.isend_all(self, op.sends, t)
-        sent = MPI.Wtime() if self.trace is not None and op.sends else t0
-        idle = held = 0.0
-        for m in op.recvs:
-            buf = self._buffer(m)
-            into = self._narrow(buf, m.dtype, t, copy=False)
-            mpi_type = wire.mpi_type(MPI, into.dtype)
-            self._beat(
-                f"{op.name}: waiting for {m.buf} mb {m.mb} from rank {m.peer} (tag {m.tag})",
-                (m.peer,),
-            )
-            for piece in _pieces(into):
-                w0 = MPI.Wtime()
-                status = MPI.Status()
-                msg = self.waiter.probe(comm, m.peer, m.tag, status, self._others(locked=False))
-                w1 = MPI.Wtime()
-                idle += w1 - w0
-                t.waited[m.peer] += w1 - w0  # waiting for the sender
-                if self.trace is not None:
-                    self.trace.idle(w0, w1, m.peer)
-                n = status.Get_count(mpi_type)
-                if n != piece.size:
-                    raise CheckError(
-                        f"rank {comm.rank} expected {piece.size} x {piece.dtype} for {m.buf} "
-                        f"mb {m.mb} from rank {m.peer} (tag {m.tag}) but the message has {n}"
-                    )
-                msg.Recv(wire.transport(piece))
-                if self.faults is not None and self.faults.links:
-                    held += self.faults.hold_message(m.peer, MPI.Wtime() - w1)
-            if self.trace is not None:
-                self.trace.arrived(m, MPI.Wtime())
-            if self.check:
-                self._verify_p2p(into, m)
-            self._widen(into, buf, t)
-        if op.sends:
-            peers = ", ".join(f"{m.buf} mb {m.mb} to rank {m.peer}" for m in op.sends)
-            self._beat(
-                f"{op.name}: waiting for the receiver(s) to take {peers}",
-                tuple(sorted({m.peer for m in op.sends})),
-            )
-        self.waiter.waitall(reqs, self._others(locked=False))
-        for out in staged:
-            self.staging.release(out)
-        t.seconds["idle"] += idle
-        if held:
-            t.seconds[DELAY] += held
-        t1 = MPI.Wtime()
-        t.seconds[op.category] += t1 - t0 - idle - held - (t.seconds.get(CAST, 0.0) - cast0)
-        if self.trace is not None:
-            self.trace.p2p(op, t0, t1, sent)
 
     def _beat(self, what: str, peers=None) -> None:
         if self.watchdog is not None:
@@ -296,11 +240,12 @@ class Engine:
 
     # -- collectives -----------------------------------------------------------------------
     def _start(self, op: Collective, blocking: bool, t: IterationTimes):
-        """Issue a collective; return (buffer, wire buffer, requests, check state). The
-        wire buffer is the buffer itself, or its 16-bit staging copy (wire.py). Requests are
-        empty when it ran blocking. The whole array splits into check.blocks: sizes
-        differing by at most one, so reduce_scatter and allgather take any count (the
-        v-variants when uneven); alltoall needs equal blocks."""
+        """Prepare a collective; return (buffer, wire buffer, check state, calls): the
+        engine's own work, before its time starts. The wire buffer is the buffer itself, or
+        its 16-bit staging copy (wire.py). `_issue(calls)` makes the MPI calls (non-blocking
+        ones where not `blocking`, or where waits yield). The whole array splits into
+        check.blocks: sizes differing by at most one, so reduce_scatter and allgather take
+        any count (the v-variants when uneven); alltoall needs equal blocks."""
         MPI = self.MPI
         comm = self.comms[op.group]
         buf = self.runtime.buffer(op.buf, op.mb, 0)
@@ -327,7 +272,8 @@ class Engine:
             # Our algorithms over point-to-point (proxies.core.collectives) run to completion
             # here: a non-blocking allreduce becomes blocking at its start.
             wait = self.waiter.waitall if self.waiter.yielding else None
-            collectives.allreduce(comm, flat, self.allreduce, wait=wait)
+            alg = self.allreduce
+            calls = [(lambda: collectives.allreduce(comm, flat, alg, wait=wait), ())]
         elif op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
         elif op.kind in ("allgather", "reduce_scatter") and check.uneven(flat.size, n, op.unit):
@@ -358,13 +304,21 @@ class Engine:
                     ),
                 }[op.kind]
             ]
+        if calls and isinstance(calls[0][0], str):  # MPI's: the blocking or non-blocking call
+            calls = [
+                (getattr(comm, n if spin else "I" + n[0].lower() + n[1:]), a) for n, a in calls
+            ]
+        return buf, out, state, calls
+
+    @staticmethod
+    def _issue(calls: list) -> list:
+        """Make a collective's MPI calls: the requests of the non-blocking ones."""
         reqs = []
-        for name, args in calls:
-            if spin:
-                getattr(comm, name)(*args)
-            else:
-                reqs.append(getattr(comm, "I" + name[0].lower() + name[1:])(*args))
-        return buf, out, reqs, state
+        for fn, args in calls:
+            req = fn(*args)
+            if req is not None:
+                reqs.append(req)
+        return reqs
 
     def _start_v(self, op: Collective, comm, blocking: bool):
         """alltoallv: the runtime's `alltoallv(name, iteration)` gives (send, scounts, recv,
@@ -383,10 +337,8 @@ class Engine:
         T = wire.mpi_type(MPI, send.dtype)
         sd, rd = (np.cumsum([0] + c[:-1]).tolist() for c in (scounts, rcounts))
         args = ([send, (scounts, sd), T], [recv, (rcounts, rd), T])
-        if blocking and not self.waiter.yielding:
-            comm.Alltoallv(*args)
-            return send, send, [], (recv, rcounts, state)
-        return send, send, [comm.Ialltoallv(*args)], (recv, rcounts, state)
+        fn = comm.Alltoallv if blocking and not self.waiter.yielding else comm.Ialltoallv
+        return send, send, (recv, rcounts, state), [(fn, args)]
 
     def _finish(self, op: Collective, buf: np.ndarray, out: np.ndarray, state, t) -> None:
         """After completion: place the reduce-scatter shard, run --check, widen a staged
@@ -416,12 +368,11 @@ class Engine:
 
     def _collective(self, op: Collective, t: IterationTimes) -> None:
         MPI = self.MPI
+        buf, out, state, calls = self._start(op, blocking=True, t=t)
         t0 = MPI.Wtime()
-        cast0 = t.seconds.get(CAST, 0.0)
-        buf, out, reqs, state = self._start(op, blocking=True, t=t)
-        self.waiter.waitall(reqs, self._others(locked=False))
+        self.waiter.waitall(self._issue(calls), self._others(locked=False))
         t1 = MPI.Wtime()
-        t.collectives.append((op.group, op.category, t1 - t0 - (t.seconds.get(CAST, 0.0) - cast0)))
+        t.collectives.append((op.group, op.category, t1 - t0))
         if self.trace is not None:
             self.trace.collective(op, t0, t1)
         self._finish(op, buf, out, state, t)
@@ -438,12 +389,11 @@ class Engine:
         """Start a non-blocking collective; it completes at Wait(op.req)."""
         self.new_request(op.req)
         with self._locked(t):
+            buf, out, state, calls = self._start(op, blocking=False, t=t)
             t0 = self.MPI.Wtime()
-            cast0 = t.seconds.get(CAST, 0.0)
-            buf, out, reqs, state = self._start(op, blocking=False, t=t)
-            # Issuing it is exposed time.
+            reqs = self._issue(calls)  # issuing it is exposed time
             t1 = self.MPI.Wtime()
-            t.seconds[op.category] += t1 - t0 - (t.seconds.get(CAST, 0.0) - cast0)
+            t.seconds[op.category] += t1 - t0
             self.pending[op.req] = [op, buf, reqs, state, t0, None, out]
         if self.trace is not None:
             self.trace.post(op, t0, t1)
@@ -513,7 +463,7 @@ class Engine:
         t.seconds[coll.category] += t1 - t0
         t.inflight[coll.category].append((started, done if done is not None else t0))
         if isinstance(coll, P2P):  # its arrivals are traced before the wait that shows them
-            p2p_async.finish(self, coll, state, done if done is not None else t1, t)
+            p2p.finish(self, coll, state, done if done is not None else t1, t)
         if self.trace is not None:
             self.trace.wait(coll, started, done if done is not None else t0, t0, t1)
         if not isinstance(coll, P2P):
@@ -522,17 +472,6 @@ class Engine:
     # -- --check ---------------------------------------------------------------------------
     def _seed(self, key) -> int:
         return zlib.crc32(repr((self.iteration, self.world.rank, key)).encode())
-
-    def _verify_p2p(self, buf: np.ndarray, m: Msg) -> None:
-        want = np.empty(2, dtype=np.int64)
-        self.check_comm.Recv(want, m.peer, m.tag)
-        got = check.checksum(buf)
-        if not np.array_equal(got, want):
-            raise CheckError(
-                f"--check: rank {self.world.rank} received {m.buf} mb {m.mb} from rank "
-                f"{m.peer} (tag {m.tag}, iteration {self.iteration}) with crc32 {got[0]:#010x}, "
-                f"the sender sent {want[0]:#010x}"
-            )
 
     # -- one iteration ---------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> IterationTimes:
@@ -565,9 +504,9 @@ class Engine:
                     self.durations[i] += t1 - t0
             elif isinstance(op, P2P):
                 if op.req:
-                    p2p_async.post(self, op, t)
+                    p2p.post(self, op, t)
                 else:
-                    self._p2p(op, t)
+                    p2p.run(self, op, t)
             elif isinstance(op, Collective):
                 (self._post if op.req else self._collective)(op, t)
             elif isinstance(op, Wait):

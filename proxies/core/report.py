@@ -45,7 +45,7 @@ TAIL = {
     "dtype_cast": "float32 <-> 16-bit wire casts",
     "fault_delay": "fault delay (--slow-link holds)",
     "idle": "idle (bubble, waiting for peers)",
-    "overhead": "overhead (engine, between ops)",
+    "overhead": "overhead (the engine's own)",
 }
 # Short names for the tables' column headers when full labels would not fit (a legend
 # under the table spells them out); categories not listed are shortened by `abbrev`.

@@ -13,8 +13,9 @@ and in it one thread per kind of work, so an op's parts nest under it:
   tests and wait, and its time in flight as an async slice.
 Every slice's args hold its category (the breakdown's), bytes, peers, micro-batch, group.
 A slice's self time (its duration less its children's) is what the breakdown books to its
-category, so per category the trace adds up to the run's --json breakdown (wire casts
-stay inside their op; between ops is the engine's overhead, not drawn).
+category, so per category the trace adds up to the run's --json breakdown (16-bit wire
+casts and the engine's own work on an op come before or after its MPI calls, outside its
+slice; that and the time between ops is the engine's overhead, not drawn).
 
 Clocks: before the first iteration rank 0 ping-pongs each rank (PING_ROUNDS times) and
 keeps the round trip with the smallest time; that rank's offset is its clock at the reply

@@ -1,0 +1,185 @@
+"""The engine's own time around and inside a communication op, side by side with the same
+MPI calls in a plain mpi4py loop: what a proxy's breakdown books to the op, what it books
+to `overhead`, and what MPI alone takes.
+
+    mpiexec -n R python benchmarks/engine_overhead.py [--ops N] [--rounds N] [--elements N]
+
+R even: ranks 2i and 2i + 1 are partners. Four kinds of op, each `--ops` times (500) in one
+plan run through the real engine (modelled compute, spinning waits, a watchdog as runs
+have), and the same MPI calls in a loop:
+
+- exchange: a blocking batch, one send to and one receive from the partner (Isend, Mprobe +
+  Mrecv, Wait: the engine's calls);
+- exchange, non-blocking: the batch posted (Isend + Irecv) and then waited for;
+- allreduce: a blocking MPI_Allreduce over all ranks, in place;
+- allreduce, non-blocking: MPI_Iallreduce, then its Wait.
+
+Messages are `--elements` float32 (16). Each way runs once per round, after a barrier, timed
+by its slowest rank; the ways alternate, so drifting load touches them alike; medians over
+`--rounds` rounds (15) after 2. Columns, microseconds per op: the plain loop; the engine's
+wall time; what the engine booked to the op (its category plus idle); the rest of the
+engine's time (its `overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KINDS = ("exchange", "exchange, non-blocking", "allreduce", "allreduce, non-blocking")
+WARMUP = 2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="engine_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--ops", type=int, default=500)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--elements", type=int, default=16)
+    args = p.parse_args(argv)
+    if not (1 <= args.ops <= 100_000 and 1 <= args.rounds <= 1000 and 1 <= args.elements):
+        p.error("--ops in [1, 100000], --rounds in [1, 1000], --elements >= 1")
+    return args
+
+
+def plans(rank: int, partner: int, ops: int, count: int) -> dict:
+    """Each kind's plan of `ops` ops on this rank."""
+    from proxies.core.plan import P2P, Collective, Msg, Wait
+
+    def batch(i, req=""):
+        return P2P(
+            "exchange",
+            sends=(Msg(partner, i, "send", 0, count),),
+            recvs=(Msg(partner, i, "recv", 0, count),),
+            req=req,
+        )
+
+    ar = Collective("allreduce", "world", "x", count)
+    nb = Collective("allreduce", "world", "x", count, req="q")
+    return {
+        "exchange": tuple(batch(i) for i in range(ops)),
+        "exchange, non-blocking": tuple(
+            op for i in range(ops) for op in (batch(i, "p"), Wait("p"))
+        ),
+        "allreduce": (ar,) * ops,
+        "allreduce, non-blocking": (nb, Wait("q")) * ops,
+    }
+
+
+class Buffers:
+    """The engine's runtime: named buffers, no compute."""
+
+    def __init__(self, np, count: int):
+        self.bufs = {name: np.ones(count, np.float32) for name in ("send", "recv", "x")}
+
+    def buffer(self, name, mb, chunk):
+        return self.bufs[name]
+
+    def compute(self, op, iteration):
+        pass
+
+    def finish_iteration(self, iteration):
+        return 0.0, 0
+
+
+def loops(comm, MPI, np, partner: int, ops: int, count: int) -> dict:
+    """Each kind's MPI calls, `ops` times, in a plain loop."""
+    send, recv, x = (np.ones(count, np.float32) for _ in range(3))
+
+    def exchange():
+        for i in range(ops):
+            req = comm.Isend(send, partner, i)
+            comm.Mprobe(partner, i, MPI.Status()).Recv(recv)
+            req.Wait()
+
+    def exchange_nb():
+        for i in range(ops):
+            MPI.Request.Waitall([comm.Isend(send, partner, i), comm.Irecv(recv, partner, i)])
+
+    def allreduce():
+        for _ in range(ops):
+            comm.Allreduce(MPI.IN_PLACE, x)
+
+    def allreduce_nb():
+        for _ in range(ops):
+            comm.Iallreduce(MPI.IN_PLACE, x).Wait()
+
+    return dict(zip(KINDS, (exchange, exchange_nb, allreduce, allreduce_nb), strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import numpy as np
+    from mpi4py import MPI
+
+    from proxies.core.engine import Engine
+    from proxies.core.mpi import Watchdog
+    from proxies.core.plan import Plan
+    from proxies.core.report import HIDDEN
+
+    comm = MPI.COMM_WORLD
+    if comm.size % 2:
+        if comm.rank == 0:
+            print("engine_overhead: needs an even number of ranks (partners 2i, 2i + 1)",
+                  file=sys.stderr)  # fmt: skip
+        return 2
+    partner = comm.rank ^ 1
+    groups = {"world": tuple(range(comm.size))}
+    watchdog = Watchdog(comm, "engine_overhead", 600)
+    engines = {
+        kind: Engine(
+            MPI,
+            Plan(comm.rank, ops, groups),
+            Buffers(np, args.elements),
+            {"world": comm},
+            mode="model",
+            wait="spin",
+            watchdog=watchdog,
+        )
+        for kind, ops in plans(comm.rank, partner, args.ops, args.elements).items()
+    }
+    plain = loops(comm, MPI, np, partner, args.ops, args.elements)
+    times: dict = {(k, w): [] for k in KINDS for w in ("mpi", "engine", "booked")}
+    try:
+        for r in range(WARMUP + args.rounds):
+            for kind in KINDS:
+                for way in ("mpi", "engine"):
+                    comm.Barrier()
+                    t0 = MPI.Wtime()
+                    if way == "mpi":
+                        plain[kind]()
+                    else:
+                        t = engines[kind].run_iteration(r)
+                    took = MPI.Wtime() - t0
+                    if way == "engine":
+                        own = sum(v for c, v in t.seconds.items() if not c.endswith(HIDDEN))
+                        booked = own + sum(c[2] for c in t.collectives)
+                        booked = comm.allreduce(booked, op=MPI.MAX)
+                    took = comm.allreduce(took, op=MPI.MAX)
+                    if r >= WARMUP:
+                        times[kind, way].append(took)
+                        if way == "engine":
+                            times[kind, "booked"].append(booked)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        watchdog.stop()
+    if comm.rank == 0:
+        print(f"# {comm.size} ranks, {args.elements} float32 per message, "
+              f"{args.ops} ops per call, median of {args.rounds} calls, slowest rank, "
+              "us per op")  # fmt: skip
+        print(f"{'op':<24}{'mpi':>8}{'engine':>8}{'booked':>8}{'overhead':>10}")
+        for kind in KINDS:
+            mpi, eng, booked = (
+                statistics.median(times[kind, w]) / args.ops * 1e6
+                for w in ("mpi", "engine", "booked")
+            )
+            print(f"{kind:<24}{mpi:8.2f}{eng:8.2f}{booked:8.2f}{eng - booked:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
