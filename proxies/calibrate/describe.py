@@ -105,9 +105,13 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "own times, as runs book `overhead`): a plan of a non-blocking 1-element "
             "allreduce pending under two empty computes, its wait and a blocking 1-element "
             "allreduce, over and over, through the real engine on the active ranks, "
-            "spinning waits. wake: how much longer than asked time.sleep of 20 us to 1 ms "
-            "lasted (median), a rank per core at once: each slept compute op and each sleep "
-            "of a yielding wait lasts that much longer"
+            "spinning waits; compute, exchange, collective, nonblocking: the same per op of "
+            "plans of one kind each (empty computes; blocking 1-element batches to the next "
+            "rank and from the previous; blocking 1-element allreduces; non-blocking ones "
+            "waited for at once, the start and the Wait each an op), which the predictor "
+            "charges on their kind of op. wake: how much longer than asked time.sleep of "
+            "20 us to 1 ms lasted (median), a rank per core at once: each slept compute op "
+            "and each sleep of a yielding wait lasts that much longer"
         )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")
@@ -168,7 +172,8 @@ def summary(m: Machine, topo: Topology) -> None:
             f"  zero_pages  MPI's all-to-all from a never-written buffer: "
             f"x{m.zero_page_alltoall:.3g} per byte"
         )
-    print(f"  engine      {m.op_overhead * 1e6:.2f} us per op")
+    kinds = "".join(f", {k} {s * 1e6:.2f}" for k, s in m.op_overheads.items())
+    print(f"  engine      {m.op_overhead * 1e6:.2f} us per op{kinds}")
     missing = [u for u in m.unmeasured]
     print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
 

@@ -399,14 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     # -- the engine's own cost per op, in each regime
     say("  the engine's own cost per op ...", flush=True)
     ops, iters = (40, 3) if quick else (200, 5)
-    op_overhead = 0.0
+    op_overhead, kinds = 0.0, {}
     if active and calm.size > 1:
-        op_overhead = measure.engine_overhead(calm, MPI, ops, iters, "spin")
+        op_overhead, kinds = measure.engine_overhead(calm, MPI, ops, iters, "spin", kinds=True)
     idle()
-    op_overhead = comm.bcast(op_overhead, root=0)
+    op_overhead, kinds = comm.bcast((op_overhead, kinds), root=0)
+    kinds = {kind: sig(seconds) for kind, seconds in kinds.items() if seconds > 0}
     crowded_overhead = None
     if crowded:
-        crowded_overhead = measure.engine_overhead(comm, MPI, ops, iters, "yield")
+        crowded_overhead = measure.engine_overhead(comm, MPI, ops, iters, "yield")[0]
     # how much longer than asked a sleep lasts (slept compute, yielding waits' sleeps): a
     # rank per core at once
     wake = 0.0
@@ -415,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     idle()
     wake = max(0.0, comm.bcast(wake, root=0))
     calibration["engine"] = {"ops": ops, "op_overhead": sig(op_overhead), "wake": sig(wake)}
+    calibration["engine"].update(kinds)
     if crowded_overhead is not None:
         calibration["engine"]["oversubscribed_op_overhead"] = sig(crowded_overhead)
     # -- last (it leaves glibc's thresholds raised): the fault rate MPI itself sees
@@ -459,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh_above=above,
         fault_rate=sig(fault_rate) if above is not None else None,
         op_overhead=sig(op_overhead) if op_overhead > 0 else 0.0,
+        op_overheads=kinds,
         wake=sig(wake),
     )
     error = None

@@ -467,13 +467,15 @@ def sleep_overshoot(comm, MPI, reps: int) -> float:
 
 
 class _TinyRuntime:
-    """A runtime with one 1-element buffer and no compute: only the engine's own work."""
+    """A runtime of 1-element buffers ("r" receives, any other name sends or reduces) and
+    no compute: only the engine's own work."""
 
     def __init__(self) -> None:
         self.x = np.zeros(1, dtype=np.float32)
+        self.r = np.zeros(1, dtype=np.float32)
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
-        return self.x
+        return self.r if name == "r" else self.x
 
     def compute(self, op, iteration: int) -> None:
         pass
@@ -482,17 +484,21 @@ class _TinyRuntime:
         return 0.0, 0
 
 
-def engine_overhead(comm, MPI, ops: int, iters: int, wait: str) -> float:
+def engine_overhead(comm, MPI, ops: int, iters: int, wait: str, kinds: bool = False):
     """Seconds the engine spends of its own per plan op, as a run books them (overhead =
-    an iteration's time less its ops' own): a plan of `ops` ops, cycles of a non-blocking
-    1-element allreduce, two empty computes under it (the engine tests what is pending
-    after each op, as under the proxies' overlapped gradients), its Wait and a blocking
-    1-element allreduce, run through the real engine on `comm` with the runs' wait mode;
-    the median over iterations (after one warm-up) of the slowest rank."""
-    from proxies.core.engine import Engine
-    from proxies.core.plan import Collective, Compute, Plan, Wait
-    from proxies.core.report import HIDDEN
+    an iteration's time less its ops' own), run through the real engine on `comm` with the
+    runs' wait mode and the watchdog's bookkeeping (its texts, no timer): the median over
+    iterations (after one warm-up) of the slowest rank. Returns (per op of a mixed plan,
+    {kind: per op} where `kinds`, else {}). The mixed plan: `ops` ops, cycles of a
+    non-blocking 1-element allreduce, two empty computes under it (the engine tests what
+    is pending after each op, as under the proxies' overlapped gradients), its Wait and a
+    blocking 1-element allreduce. One plan per kind (machine.OVERHEAD_KINDS): empty
+    computes; blocking batches, each rank of `comm` sending 1 element to the next and
+    receiving one from the previous; blocking 1-element allreduces; non-blocking ones
+    waited for at once (the start and the Wait each an op)."""
+    from proxies.core.plan import P2P, Collective, Compute, Msg, Wait
 
+    n, r = comm.size, comm.rank
     cycle = (
         Collective("allreduce", "world", "x", 1, req="q"),
         Compute("forward"),
@@ -500,8 +506,33 @@ def engine_overhead(comm, MPI, ops: int, iters: int, wait: str) -> float:
         Wait("q"),
         Collective("allreduce", "world", "x", 1),
     )
-    plan = Plan(comm.rank, cycle * max(1, ops // 5), {"world": tuple(range(comm.size))})
-    engine = Engine(MPI, plan, _TinyRuntime(), {"world": comm}, mode="model", wait=wait)
+    mixed = _own_per_op(comm, MPI, cycle * max(1, ops // 5), iters, wait)
+    if not kinds:
+        return mixed, {}
+    world = comm.allgather(MPI.COMM_WORLD.rank)  # the engine's messages name world ranks
+    to, back = Msg(world[(r + 1) % n], 7, "x", 0, 1), Msg(world[(r - 1) % n], 7, "r", 0, 1)
+    batch = P2P("x", sends=(to,), recvs=(back,))
+    plans = {
+        "compute": (Compute("forward"),) * ops,
+        "exchange": (batch,) * ops,
+        "collective": (Collective("allreduce", "world", "x", 1),) * ops,
+        "nonblocking": (Collective("allreduce", "world", "x", 1, req="q"), Wait("q"))
+        * max(1, ops // 2),
+    }
+    return mixed, {kind: _own_per_op(comm, MPI, p, iters, wait) for kind, p in plans.items()}
+
+
+def _own_per_op(comm, MPI, ops: tuple, iters: int, wait: str) -> float:
+    from proxies.core.engine import Engine
+    from proxies.core.mpi import Watchdog
+    from proxies.core.plan import Plan
+    from proxies.core.report import HIDDEN
+
+    plan = Plan(comm.rank, ops, {"world": tuple(range(comm.size))})
+    watchdog = Watchdog(comm, "calibrate", 0)  # its texts as a run has them; no thread
+    engine = Engine(
+        MPI, plan, _TinyRuntime(), {"world": comm}, mode="model", wait=wait, watchdog=watchdog
+    )
     per_op = []
     try:
         for i in range(1 + iters):

@@ -13,7 +13,8 @@
     fresh_memory: {above: 32 MiB, rate: 4 GB/s}              # optional: MPI temporaries
     reuse: {cache: 16 MiB, reread: 1.3}                      # optional: reused buffers
     zero_pages: {alltoall: 0.55}                             # optional: untouched sends
-    engine: {op_overhead: 20 us, wake: 70 us}                # optional
+    engine: {op_overhead: 20 us, wake: 70 us,                # optional
+             compute: 1 us, exchange: 5 us, collective: 4 us, nonblocking: 8 us}
     unmeasured: [inter_node]                                 # optional (calibrate)
     calibration: {...}                                       # optional (calibrate)
 
@@ -37,9 +38,15 @@ kernel's one zero page: reading it moves no memory) costs this x per byte moved 
 of the cold buffer's price; the proxies' all-to-all send buffers are such without real
 compute and --check (calibrate measures the ratio: 0.5 - 0.6 at 16 - 64 MiB on 2 ranks of
 the VM this was developed on).
-`engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling), booked
-as the measured run books it. `engine.wake`: how much longer than asked a sleep lasts (the
-kernel's timer slack and the wake-up): a modelled or replayed compute op's, and a yielding
+`engine.op_overhead`: the engine's own cost per plan op (Python, mpi4py, polling: finding
+and staging an op's buffers, what the watchdog is told, the work between ops), booked as
+the measured run books it (`overhead`); `engine.compute`, `.exchange` (a blocking
+point-to-point batch), `.collective` (a blocking collective) and `.nonblocking` (a
+non-blocking op's start, and its Wait, each) replace it for their kind of op where given
+(calibrate measures each: a non-blocking op's start and Wait hand the interpreter to and
+from the progress thread, several times what a computing op costs).
+`engine.wake`: how much longer than asked a sleep lasts (the kernel's timer slack and the
+wake-up): a modelled or replayed compute op's, and a yielding
 wait's between its tests (waiting.py), both of which the predictor follows;
 `oversubscribed.wake` replaces it for the waits of runs that crowd a node (a woken rank
 also waits for a core). `oversubscribed.mpi_latency`: on a crowded node, the latency of each
@@ -123,6 +130,8 @@ class Machine:
     # MPI's all-to-all from a never-written (zero-page) send buffer costs this x per byte
     zero_page_alltoall: float | None = None
     op_overhead: float = 0.0  # seconds: the engine's own cost per plan op
+    # per kind of op (OVERHEAD_KINDS) where measured, else op_overhead
+    op_overheads: dict[str, float] = field(default_factory=dict)
     wake: float = 0.0  # seconds a sleep (slept compute, a yielding wait's) lasts longer
 
     def node_of(self, rank: int) -> int:
@@ -163,8 +172,17 @@ SECTIONS: dict[str, dict[str, str]] = {
     "fresh_memory": {"above": "count", "rate": "bandwidth"},
     "reuse": {"cache": "count", "reread": "factor"},
     "zero_pages": {"alltoall": "factor"},
-    "engine": {"op_overhead": "time", "wake": "time"},
+    "engine": {
+        "op_overhead": "time",
+        "wake": "time",
+        "compute": "time",
+        "exchange": "time",
+        "collective": "time",
+        "nonblocking": "time",
+    },
 }
+# the kinds of plan op whose engine cost a machine file may give apart (engine.<kind>)
+OVERHEAD_KINDS = ("compute", "exchange", "collective", "nonblocking")
 REQUIRED_SECTIONS = ("nodes", "intra_node", "compute")
 OPTIONAL = {
     "intra_node.node_bandwidth",
@@ -179,6 +197,7 @@ OPTIONAL = {
     "oversubscribed.unexpected",
     "engine.op_overhead",
     "engine.wake",
+    *(f"engine.{kind}" for kind in OVERHEAD_KINDS),
 }
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
@@ -378,6 +397,7 @@ def from_mapping(
         reread=fig.get("reuse.reread"),
         zero_page_alltoall=fig.get("zero_pages.alltoall"),
         op_overhead=fig.get("engine.op_overhead") or 0.0,
+        op_overheads={k: fig[f"engine.{k}"] for k in OVERHEAD_KINDS if fig.get(f"engine.{k}")},
         wake=fig.get("engine.wake") or 0.0,
     )
 
@@ -507,6 +527,8 @@ def to_mapping(m: Machine) -> dict:
         engine["op_overhead"] = q(m.op_overhead, "time")
     if m.wake:
         engine["wake"] = q(m.wake, "time")
+    for kind, seconds in m.op_overheads.items():
+        engine[kind] = q(seconds, "time")
     if engine:
         out["engine"] = engine
     if m.mpi:

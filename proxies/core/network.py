@@ -37,6 +37,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proxies.core.machine import OVERHEAD_KINDS
+
 # Link ids: small tuples, hashable and readable in a diagnosis.
 PORT_OUT, PORT_IN, NIC_OUT, NIC_IN, UP, DOWN = (
     "port_out",
@@ -88,6 +90,14 @@ class Topology:
         if self.crowded and m.oversub_op_overhead is not None:
             return m.oversub_op_overhead
         return m.op_overhead
+
+    def op_overheads(self) -> dict[str, float]:
+        """The engine's own seconds per op of each kind (machine.OVERHEAD_KINDS): the
+        file's `engine.<kind>`, else op_overhead; a crowded node's one figure for all."""
+        m, each = self.machine, self.op_overhead
+        if self.crowded and m.oversub_op_overhead is not None:
+            return dict.fromkeys(OVERHEAD_KINDS, each)
+        return {kind: m.op_overheads.get(kind, each) for kind in OVERHEAD_KINDS}
 
     def node(self, rank: int) -> int:
         return rank // self.rpn

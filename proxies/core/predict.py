@@ -37,10 +37,10 @@ other work is <category>_hidden (not part of the sum; per category the union of 
 spans, as a run books it): a non-blocking batch's messages are
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
 after its last op a rank is idle until the end. With the machine's engine.op_overhead
-(or oversubscribed.op_overhead on a crowded node) every op first costs that much on its
-rank, booked as overhead, as the engine books its own time between ops. A non-blocking
-collective's adds and copies take its rank's core: what falls in the rank's own work
-delays it, booked to the collective (_steal).
+(or engine.<kind> for its kind of op, or oversubscribed.op_overhead on a crowded node)
+every op first costs that much on its rank, booked as overhead, as the engine books its
+own time around ops. A non-blocking collective's adds and copies take its rank's core:
+what falls in the rank's own work delays it, booked to the collective (_steal).
 
 Reused buffers: with the machine's `reuse` figures and the runtime's buffer for each op
 (`buffers`: the proxies reuse a few buffers with compute none and model), a collective MPI
@@ -169,7 +169,9 @@ class _Predictor(CollectiveSim, WaitSim):
         self.share = max(1.0, topo.rpn / cores) if cores else 1.0
         self.copy_s = 2.0 * self.share / mem if mem else 0.0  # seconds per byte copied
         self.reduce_bw = topo.machine.reduce_bandwidth / self.share
-        self.op_overhead = topo.op_overhead  # the engine's own seconds per op
+        own = topo.op_overheads()  # the engine's own seconds per op, by kind
+        self.own = {Compute: own["compute"], P2P: own["exchange"], Collective: own["collective"]}
+        self.own_async = own["nonblocking"]  # a non-blocking op's start, a Wait
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)
         self.library: Callable[[str], bool] = library or (lambda kind: False)
@@ -284,13 +286,14 @@ class _Predictor(CollectiveSim, WaitSim):
         """Run rank r from its current op at self.now until it blocks or finishes."""
         ops, pc, t = self.plans[r].ops, self.pc[r], self.now
         book, spans = self.book[r], self.spans[r]
-        oh = self.op_overhead
+        own, own_async = self.own, self.own_async
         for category, seconds in self.debt[r].items():  # its core did a collective's work
             book[category] += seconds
             t += seconds
         self.debt[r].clear()
         while pc < len(ops):
             op = ops[pc]
+            oh = own_async if type(op) is Wait or getattr(op, "req", "") else own[type(op)]
             if oh and self.charged[r] != pc:
                 # the engine's own time before each op (booked as the engine books it)
                 self.charged[r] = pc

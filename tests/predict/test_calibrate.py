@@ -187,6 +187,11 @@ def test_quick_run_on_one_node(tmp_path):
     )
     # the engine's own cost per op, measured through the engine; 2 ranks: not crowded
     assert cal["engine"]["ops"] == 40 and cal["engine"]["op_overhead"] >= 0
+    # and per kind of op, as the file gives them to the predictor
+    for kind, seconds in m.op_overheads.items():
+        assert kind in ("compute", "exchange", "collective", "nonblocking") and seconds > 0
+        assert math.isclose(seconds, cal["engine"][kind], rel_tol=1e-3)
+    assert {"exchange", "nonblocking"} <= set(m.op_overheads)  # never free: MPI calls
     # a sleep lasts longer than asked (Linux's timer slack alone is 50 us by default)
     assert cal["engine"]["wake"] > 0 and math.isclose(m.wake, cal["engine"]["wake"], rel_tol=1e-3)
     if m.cores_per_node >= 2:

@@ -28,7 +28,7 @@ FULL = copy.deepcopy(BASE) | {
         "unexpected": 1,
     },
     "fresh_memory": {"above": "32 MiB", "rate": "2 GB/s"},
-    "engine": {"op_overhead": "2 us"},
+    "engine": {"op_overhead": "2 us", "exchange": "5 us", "nonblocking": "9 us"},
 }
 
 
@@ -36,6 +36,7 @@ def test_new_sections_load_and_round_trip(tmp_path):
     m = load(write(tmp_path, FULL))
     assert m.oversub == Level(300e-6, 5e9) and m.oversub_node_bandwidth == 4e9
     assert m.oversub_op_overhead == 40e-6 and m.op_overhead == 2e-6
+    assert m.op_overheads == {"exchange": 5e-6, "nonblocking": 9e-6}
     assert m.oversub_unexpected == 1.0
     assert m.fresh_above == 32 << 20 and m.fault_rate == 2e9
     again = load(write(tmp_path, dumps(m), "again.yaml"))
@@ -65,6 +66,9 @@ ERRORS = [
     ("oversubscribed.unexpected", "1 test", ["a plain number >= 0"]),
     ("engine.op_overhead", "0 us", ["not a positive"]),
     ("engine.overhead", "1 us", ["unknown key", "did you mean 'op_overhead'?"]),
+    ("engine.exchange", "-3 us", ["not a positive"]),
+    ("engine.nonblocking", "4 GB/s", ["expected a time"]),
+    ("engine.colective", "1 us", ["unknown key", "did you mean 'collective'?"]),
 ]
 
 
@@ -269,6 +273,36 @@ def test_op_overhead_is_charged_per_op_and_booked_as_overhead():
     assert math.isclose(
         run(replace(crowded, oversub_op_overhead=None)).breakdown[0]["overhead"], 15e-6
     )
+
+
+def test_each_kind_of_op_is_charged_its_own_figure_else_op_overhead():
+    m = replace(crowded_machine(2, oversub=False), op_overhead=1e-6)
+    m = replace(m, op_overheads={"compute": 2e-6, "exchange": 30e-6, "nonblocking": 400e-6})
+    ops = (
+        Compute("forward"),  # 2
+        P2P("x", sends=(Msg(1, 0, "a", 0, 1),), recvs=(Msg(1, 0, "b", 0, 1),)),  # 30
+        Collective("allreduce", "w", "x", 1),  # 1: no figure of its kind, op_overhead
+        Collective("allreduce", "w", "y", 1, req="q"),  # 400: a start
+        P2P("y", sends=(Msg(1, 1, "c", 0, 1),), recvs=(Msg(1, 1, "d", 0, 1),), req="p"),  # 400
+        Wait("q"),  # 400
+        Wait("p"),  # 400
+    )
+    mirror = [P2P(o.name, tuple(replace(x, peer=0) for x in o.sends),
+                  tuple(replace(x, peer=0) for x in o.recvs), req=o.req)
+              if isinstance(o, P2P) else o for o in ops]  # fmt: skip
+    plans = [Plan(0, ops, {"w": (0, 1)}), Plan(1, tuple(mirror), {"w": (0, 1)})]
+
+    def run(mach):
+        return predict(plans, Topology(mach, 2), lambda r, op: 0.0, chooser(mach))
+
+    pred, base = run(m), run(replace(m, op_overhead=0.0, op_overheads={}))
+    want = 2e-6 + 30e-6 + 1e-6 + 4 * 400e-6
+    assert all(math.isclose(b["overhead"], want) for b in pred.breakdown.values())
+    # the transfers in flight overlap the engine's time on the waits' side: at most their sum
+    assert want < pred.time <= want + base.time
+    # a crowded node's one figure replaces them all
+    crowded = replace(m, cores_per_node=1, oversub=m.intra, oversub_op_overhead=50e-6)
+    assert math.isclose(run(crowded).breakdown[0]["overhead"], 7 * 50e-6)
 
 
 def test_fit_caps_a_flow_bandwidth_no_prediction_sees_at_the_nodes():
