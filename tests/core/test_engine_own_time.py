@@ -80,21 +80,29 @@ def test_finding_the_buffers_is_overhead_not_communication(dtype):
 
 
 @pytest.mark.mpi
-def test_the_benchmark_times_each_op_kind_both_ways():
+def test_the_benchmark_times_each_op_kind_both_ways_warm_and_cold():
     path = os.path.join(ROOT, "benchmarks", "engine_overhead.py")
-    r = run([mpiexec(), "-n", "2", sys.executable, path, "--ops", "20", "--rounds", "2"], 120)
+    argv = ["--ops", "20", "--rounds", "2", "--flush", "1"]
+    r = run([mpiexec(), "-n", "2", sys.executable, path, *argv], 120)
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines()[2:]]
-    kinds = ("exchange", "exchange, non-blocking", "allreduce", "allreduce, non-blocking")
-    assert [row[:24].strip() for row in rows] == list(kinds), r.stdout
+    kinds = ["exchange", "exchange, non-blocking", "allreduce", "allreduce, non-blocking"]
+    assert [(row[:24].strip(), row[24:31].strip()) for row in rows] == [
+        (kind, state) for state in ("warm", "cold") for kind in kinds
+    ], r.stdout
     for row in rows:
-        mpi, engine, booked, overhead = (float(x) for x in row[24:].split())
+        mpi, engine, booked, overhead = (float(x) for x in row[31:].split())
         assert mpi > 0 and booked > 0 and engine >= booked
         assert overhead == pytest.approx(engine - booked, abs=0.011)
+    # --flush 0: the warm rows only
+    r = run([mpiexec(), "-n", "2", sys.executable, path, *argv[:-1], "0"], 120)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2 + 4, r.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [["--ops", "0"], ["--rounds", "-1"], ["--elements", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["--ops", "0"], ["--rounds", "-1"], ["--elements", "x"], ["--flush", "-2"]]
+)
 def test_the_benchmarks_bad_arguments_are_one_line_and_exit_2(argv):
     path = os.path.join(ROOT, "benchmarks", "engine_overhead.py")
     r = run([sys.executable, path, *argv], 60)
