@@ -391,7 +391,7 @@ class _Predictor(CollectiveSim, WaitSim):
             state[1] = max(state[1], m.matched)
             state[2] = max(state[2], end)
             # --slow-link, as the engine does it: the receiver holds the message (F - 1) x
-            # its transfer time; not a non-blocking batch's (p2p_async.py)
+            # its transfer time; not a non-blocking batch's (p2p.py)
             pair = (min(m.src, m.dst), max(m.src, m.dst))
             f = self.slow_links.get(pair) if m.dst == r and not op.req else 0
             held = end + (f - 1) * (end - m.matched) if f else end
