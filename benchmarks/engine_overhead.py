@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     from proxies.core.engine import Engine
     from proxies.core.mpi import Watchdog
     from proxies.core.plan import Plan
-    from proxies.core.report import HIDDEN
 
     comm = MPI.COMM_WORLD
     if comm.size % 2:
@@ -205,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         copies = t.seconds.get("compute", 0.0)
                     took = MPI.Wtime() - t0 - copies
                     if way == "engine":
-                        own = sum(v for c, v in t.seconds.items() if not c.endswith(HIDDEN))
-                        booked = own - copies + sum(c[2] for c in t.collectives)
-                        booked = comm.allreduce(booked, op=MPI.MAX)
+                        booked = comm.allreduce(t.booked() - copies, op=MPI.MAX)
                     took = comm.allreduce(took, op=MPI.MAX)
                     if r >= WARMUP:
                         times[key + (way,)].append(took)

@@ -526,7 +526,6 @@ def _own_per_op(comm, MPI, ops: tuple, iters: int, wait: str) -> float:
     from proxies.core.engine import Engine
     from proxies.core.mpi import Watchdog
     from proxies.core.plan import Plan
-    from proxies.core.report import HIDDEN
 
     plan = Plan(comm.rank, ops, {"world": tuple(range(comm.size))})
     watchdog = Watchdog(comm, "calibrate", 0)  # its texts as a run has them; no thread
@@ -538,10 +537,8 @@ def _own_per_op(comm, MPI, ops: tuple, iters: int, wait: str) -> float:
         for i in range(1 + iters):
             comm.Barrier()
             t = engine.run_iteration(i)
-            own = sum(v for k, v in t.seconds.items() if not k.endswith(HIDDEN))
-            own += sum(c[2] for c in t.collectives)
             if i:
-                per_op.append((t.total - own) / len(plan.ops))
+                per_op.append((t.total - t.booked()) / len(plan.ops))
     finally:
         engine.close()
     return comm.allreduce(max(0.0, statistics.median(per_op)), op=MPI.MAX)

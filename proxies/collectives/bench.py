@@ -50,10 +50,7 @@ def resolve_wait(MPI, comm, mode: str) -> tuple[str, int]:
     decide) and the ranks on the run's largest node."""
     from proxies.core import threads
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    crowded = node.allreduce(node.size > threads.cores_available(), op=MPI.LOR)
-    largest = comm.allreduce(node.size, op=MPI.MAX)
-    node.Free()
+    crowded, largest = threads.placement(MPI, comm)
     return (("yield" if crowded else "spin") if mode == "auto" else mode), largest
 
 

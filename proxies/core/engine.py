@@ -29,6 +29,7 @@ collectives are in waiting.py; what the waits are attributed to after the run, i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -75,6 +76,12 @@ class IterationTimes:
     )
     # Idle per peer waited for (world rank -> seconds); see waits.py.
     waited: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+
+    def booked(self) -> float:
+        """Seconds booked to the ops (hidden spans aside), blocking collectives whole: as
+        run_iteration leaves them, before the runner splits the collectives' waits."""
+        own = sum(v for k, v in self.seconds.items() if not k.endswith(HIDDEN))
+        return own + sum(c[2] for c in self.collectives)
 
 
 def describe(op, rank: int | None = None) -> str:
@@ -267,14 +274,13 @@ class Engine:
         spin = blocking and not self.waiter.yielding
         # Beyond 2^31 elements mpi4py 4 calls MPI-4's large-count (_c) variants; allreduce,
         # being elementwise, is also cut into pieces.
-        calls = []
         if op.kind == "allreduce" and self.allreduce != "mpi":
             # Our algorithms over point-to-point (proxies.core.collectives) run to completion
             # here: a non-blocking allreduce becomes blocking at its start.
             wait = self.waiter.waitall if self.waiter.yielding else None
-            alg = self.allreduce
-            calls = [(lambda: collectives.allreduce(comm, flat, alg, wait=wait), ())]
-        elif op.kind == "allreduce":
+            ours = functools.partial(collectives.allreduce, comm, flat, self.allreduce, wait=wait)
+            return buf, out, state, [(ours, ())]
+        if op.kind == "allreduce":
             calls = [("Allreduce", (MPI.IN_PLACE, piece, SUM)) for piece in _pieces(x)]
         elif op.kind in ("allgather", "reduce_scatter") and check.uneven(flat.size, n, op.unit):
             counts, displs = check.block_counts(flat.size, n, op.unit)
@@ -304,10 +310,8 @@ class Engine:
                     ),
                 }[op.kind]
             ]
-        if calls and isinstance(calls[0][0], str):  # MPI's: the blocking or non-blocking call
-            calls = [
-                (getattr(comm, n if spin else "I" + n[0].lower() + n[1:]), a) for n, a in calls
-            ]
+        # MPI's blocking call, or its non-blocking one
+        calls = [(getattr(comm, n if spin else "I" + n[0].lower() + n[1:]), a) for n, a in calls]
         return buf, out, state, calls
 
     @staticmethod

@@ -83,21 +83,14 @@ class Topology:
                 uplink = machine.switch_nodes * nic / machine.oversubscription
                 self._cap[UP] = self._cap[DOWN] = uplink
 
-    @property
-    def op_overhead(self) -> float:
-        """Seconds the engine spends on each plan op of its own (Python, mpi4py, polling)."""
+    def op_overheads(self) -> dict[str, float]:
+        """The engine's own seconds per op of each kind (machine.OVERHEAD_KINDS; Python,
+        mpi4py, polling): the file's `engine.<kind>`, else engine.op_overhead; a crowded
+        node's oversubscribed.op_overhead for all."""
         m = self.machine
         if self.crowded and m.oversub_op_overhead is not None:
-            return m.oversub_op_overhead
-        return m.op_overhead
-
-    def op_overheads(self) -> dict[str, float]:
-        """The engine's own seconds per op of each kind (machine.OVERHEAD_KINDS): the
-        file's `engine.<kind>`, else op_overhead; a crowded node's one figure for all."""
-        m, each = self.machine, self.op_overhead
-        if self.crowded and m.oversub_op_overhead is not None:
-            return dict.fromkeys(OVERHEAD_KINDS, each)
-        return {kind: m.op_overheads.get(kind, each) for kind in OVERHEAD_KINDS}
+            return dict.fromkeys(OVERHEAD_KINDS, m.oversub_op_overhead)
+        return {kind: m.op_overheads.get(kind, m.op_overhead) for kind in OVERHEAD_KINDS}
 
     def node(self, rank: int) -> int:
         return rank // self.rpn

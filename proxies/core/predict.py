@@ -172,6 +172,7 @@ class _Predictor(CollectiveSim, WaitSim):
         own = topo.op_overheads()  # the engine's own seconds per op, by kind
         self.own = {Compute: own["compute"], P2P: own["exchange"], Collective: own["collective"]}
         self.own_async = own["nonblocking"]  # a non-blocking op's start, a Wait
+        self.charging = any(own.values())
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)
         self.library: Callable[[str], bool] = library or (lambda kind: False)
@@ -286,17 +287,17 @@ class _Predictor(CollectiveSim, WaitSim):
         """Run rank r from its current op at self.now until it blocks or finishes."""
         ops, pc, t = self.plans[r].ops, self.pc[r], self.now
         book, spans = self.book[r], self.spans[r]
-        own, own_async = self.own, self.own_async
+        own, own_async, charging = self.own, self.own_async, self.charging
         for category, seconds in self.debt[r].items():  # its core did a collective's work
             book[category] += seconds
             t += seconds
         self.debt[r].clear()
         while pc < len(ops):
             op = ops[pc]
-            oh = own_async if type(op) is Wait or getattr(op, "req", "") else own[type(op)]
-            if oh and self.charged[r] != pc:
+            if charging and self.charged[r] != pc:
                 # the engine's own time before each op (booked as the engine books it)
                 self.charged[r] = pc
+                oh = own_async if type(op) is Wait or getattr(op, "req", "") else own[type(op)]
                 book["overhead"] += oh
                 t += oh
             if type(op) is Compute:

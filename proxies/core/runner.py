@@ -225,15 +225,11 @@ def run(job: Job, args, MPI, machine=None) -> int:
     spec = os.environ.get("PROXIES_FAULT", "")  # test hook, e.g. "corrupt:1"
     if spec and spec.split(":")[-1] in (str(rank), "all"):
         fault = spec.split(":")[0]
-    wait = args.wait
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    if wait == "auto":
-        oversubscribed = node.allreduce(node.size > threads.cores_available(), op=MPI.LOR)
-        wait = "yield" if oversubscribed else "spin"
+    crowded, largest = threads.placement(MPI, world)
+    wait = ("yield" if crowded else "spin") if args.wait == "auto" else args.wait
     if machine is not None and not args.ranks_per_node:
         # the prediction beside this run places ranks as the run does (prediction.py)
-        args.placed_per_node = world.allreduce(node.size, op=MPI.MAX)
-    node.Free()
+        args.placed_per_node = largest
     job.config["wait"] = wait
     live.lines([run_line(world.size, mpi_describe(MPI), wait, args)])
     engine = Engine(

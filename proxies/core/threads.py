@@ -39,6 +39,17 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
+def placement(MPI, comm) -> tuple[bool, int]:
+    """By MPI's shared-memory split of `comm` (collective over it): whether this rank's node
+    holds more ranks than it has cores (the proxies then wait yielding), and how many ranks
+    the largest node holds (the placement predictions beside a run take)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    crowded = node.allreduce(node.size > cores_available(), op=MPI.LOR)
+    largest = comm.allreduce(node.size, op=MPI.MAX)
+    node.Free()
+    return crowded, largest
+
+
 def launcher_local_size() -> tuple[int, str] | None:
     """(ranks on this node, the variable that said so) from the launcher; None without."""
     for var in LOCAL_SIZE_VARS:
