@@ -6,7 +6,7 @@ latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul
 and add rates with a rank on every core of a node at once; each allreduce algorithm of
 proxies.collectives and MPI's all-to-all at a few sizes; the machine's state
 (state.py, what calibrate.probe measures again later). Messages and collectives use cold
-buffers, as the proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine.dump),
+buffers, as the proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine_file.dump),
 with what was measured how in comments and the raw points and fit residuals under
 `calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
 
@@ -29,7 +29,8 @@ from proxies.calibrate import exchange, measure, state, unexpected
 from proxies.calibrate.describe import comments, summary
 from proxies.calibrate.measure import sig
 from proxies.core import cli, report
-from proxies.core.machine import Level, Machine, dumps
+from proxies.core.machine import Level, Machine
+from proxies.core.machine_file import dumps
 
 PROG = "proxies.calibrate"
 

@@ -18,12 +18,11 @@ from proxies.core.machine import (
     Level,
     Machine,
     MachineError,
-    dump,
-    dumps,
     load,
     mpi_algorithms,
     parse_quantity,
 )
+from proxies.core.machine_file import dump, dumps
 from proxies.core.mpi_choice import MPICH_DEFAULTS
 from proxies.core.units import format_quantity
 

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from proxies.core.machine import ANY, Level, MachineError, dumps, load
+from proxies.core.machine import ANY, Level, MachineError, load
+from proxies.core.machine_file import dumps
 from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan, Wait

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from proxies.core.machine import MachineError, dumps, load
+from proxies.core.machine import MachineError, load
+from proxies.core.machine_file import dumps
 from proxies.core.network import Topology
 from proxies.core.plan import P2P, Collective, Compute, Msg, Plan
 from proxies.core.predict import predict, reused_ops
