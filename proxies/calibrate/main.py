@@ -6,9 +6,10 @@ latency + bytes / bandwidth; concurrent flows into one node (its NIC); np.matmul
 and add rates with a rank on every core of a node at once; each allreduce algorithm of
 proxies.collectives and MPI's all-to-all at a few sizes; the machine's state
 (state.py, what calibrate.probe measures again later). Messages and collectives use cold
-buffers, as the proxies' are (measure.Arena). Rank 0 writes the file (proxies.core.machine_file.dump),
-with what was measured how in comments and the raw points and fit residuals under
-`calibration:`. What one node cannot show (inter_node) is listed under `unmeasured`.
+buffers, as the proxies' are (measure.Arena). Rank 0 writes the file
+(proxies.core.machine_file.dump), with what was measured how in comments and the raw
+points and fit residuals under `calibration:`. What one node cannot show (inter_node) is
+listed under `unmeasured`.
 
 Two regimes where a node has more ranks than cores: the figures the file has for every run
 (intra_node, node_bandwidth, compute, the allreduce fit, MPI's fresh temporaries, the

@@ -15,7 +15,6 @@ from proxies.core.units import format_quantity
 __all__ = ["dump", "dumps", "to_mapping"]
 
 
-
 def to_mapping(m: Machine) -> dict:
     """The YAML mapping of a Machine, figures as text with units (load reads it back)."""
     q = format_quantity
