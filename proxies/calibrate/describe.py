@@ -113,6 +113,16 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
             "20 us to 1 ms lasted (median), a rank per core at once: each slept compute op "
             "and each sleep of a yielding wait lasts that much longer"
         )
+    if m.cold_moved:
+        out["cold"] = (
+            "cycles of a compute op and a blocking 1-element exchange with the neighbouring "
+            "ranks through the real engine, the compute ops copying B / 2 bytes (B read and "
+            "written) or doing nothing, each ending in a barrier; per B (calibration.cold."
+            "points: B, engine, latency), the engine's own seconds per cycle and the "
+            "exchange's booked seconds, cold less warm, the slowest rank's median. Fitted "
+            "as figure x (B / moved) ** exponent, held beyond moved: the predictor charges "
+            "it on every op after one that touched B bytes (twice what it sent and received)"
+        )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")
         if any("emulated" in n for n in topo.notes):
@@ -174,6 +184,12 @@ def summary(m: Machine, topo: Topology) -> None:
         )
     kinds = "".join(f", {k} {s * 1e6:.2f}" for k, s in m.op_overheads.items())
     print(f"  engine      {m.op_overhead * 1e6:.2f} us per op{kinds}")
+    if m.cold_moved:
+        print(
+            f"  cold        after {q(m.cold_moved, 'count')} moved: engine "
+            f"+{m.cold_engine * 1e6:.1f} us, MPI +{m.cold_latency * 1e6:.1f} us per op "
+            f"(x (B / moved) ** {m.cold_exponent:.2f} below)"
+        )
     missing = [u for u in m.unmeasured]
     print(f"not measured: {', '.join(missing)} (see the file's comments)", file=sys.stdout)
 

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from proxies.calibrate import exchange, measure, state, unexpected
+from proxies.calibrate import caches, exchange, measure, state, unexpected
 from proxies.calibrate.describe import comments, summary
 from proxies.calibrate.measure import sig
 from proxies.core import cli, report
@@ -406,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         op_overhead, kinds = measure.engine_overhead(calm, MPI, ops, iters, "spin", kinds=True)
     idle()
     op_overhead, kinds = comm.bcast((op_overhead, kinds), root=0)
+    say("  small ops after bulk data (cold caches) ...", flush=True)
+    cold_points = None
+    if active and calm.size > 1:
+        sizes = caches.QUICK_SIZES if quick else caches.SIZES
+        cold_points = caches.measure_cold(calm, MPI, sizes, 20 if quick else 40, iters)
+    idle()
+    cold_points = comm.bcast(cold_points, root=0)
     kinds = {kind: sig(seconds) for kind, seconds in kinds.items() if seconds > 0}
     crowded_overhead = None
     if crowded:
@@ -523,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{over['rms_log_error_before']:.2f} -> {over['rms_log_error_after']:.2f}",
                 flush=True,
             )
-        m = with_zero_pages(with_reuse(m, now), calm_rpn * nodes, calm_rpn)
+        m = caches.with_zero_pages(caches.with_reuse(m, now), calm_rpn * nodes, calm_rpn)
+        m = caches.with_cold(m, cold_points)
         summary(m, topo)
         # A minute of measuring is not lost to a full disk: save falls back and says where.
         text = dumps(m, comments(m, topo, quick))
@@ -534,48 +542,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {written}", flush=True)
     mpi.agree(comm, error, PROG)
     return 0
-
-
-def with_reuse(m: Machine, now: dict | None) -> Machine:
-    """The machine with its `reuse` figures: reread makes the fitted model's price of the
-    state's in-place MPI_Allreduce on two ranks of a node the time measured on the buffer
-    the previous one wrote (same_s), so a reused buffer's collective is priced from that
-    measurement (the cold price's error at that size included); cache: the largest
-    cache's share per CPU. Unchanged where the state was not measured."""
-    from dataclasses import replace
-
-    from proxies.core.prediction import collective_seconds
-
-    if not now or not now.get("same_s") or not now.get("bytes"):
-        return m
-    cold = collective_seconds(m, "allreduce", "mpi", 2, now["bytes"] // 4, ranks_per_node=2)
-    if cold <= 0:
-        return m
-    m = replace(m, reuse_cache=measure.cache_share(), reread=sig(now["same_s"] / cold))
-    m.calibration["reuse"] = {"predicted_cold_s": sig(cold), "measured_same_s": now["same_s"]}
-    return m
-
-
-def with_zero_pages(m: Machine, n: int, rpn: int) -> Machine:
-    """The machine with zero_pages.alltoall: the all-to-alls measured from a send buffer
-    never written (calibration.alltoall.untouched) over the fitted model's price of them
-    (cold), the median over the sizes, so such an all-to-all is priced from that
-    measurement (the cold price's error at that size included). Unchanged where none was
-    measured."""
-    from dataclasses import replace
-
-    from proxies.core.prediction import collective_seconds
-
-    points = (m.calibration.get("alltoall") or {}).get("untouched") or []
-    ratios = []
-    for size, seconds in points:
-        cold = collective_seconds(m, "alltoall", "mpi", n, size // 4, ranks_per_node=rpn)
-        if cold > 0 and seconds > 0:
-            ratios.append(seconds / cold)
-    if not ratios:
-        return m
-    m.calibration["alltoall"]["untouched_over_predicted_cold"] = [sig(x) for x in ratios]
-    return replace(m, zero_page_alltoall=sig(statistics.median(ratios)))
 
 
 def entry() -> None:

@@ -15,6 +15,7 @@
     zero_pages: {alltoall: 0.55}                             # optional: untouched sends
     engine: {op_overhead: 20 us, wake: 70 us,                # optional
              compute: 1 us, exchange: 5 us, collective: 4 us, nonblocking: 8 us}
+    cold: {moved: 64 MiB, engine: 60 us, latency: 30 us, exponent: 1}   # optional
     unmeasured: [inter_node]                                 # optional (calibrate)
     calibration: {...}                                       # optional (calibrate)
 
@@ -45,6 +46,14 @@ point-to-point batch), `.collective` (a blocking collective) and `.nonblocking` 
 non-blocking op's start, and its Wait, each) replace it for their kind of op where given
 (calibrate measures each: a non-blocking op's start and Wait hand the interpreter to and
 from the progress thread, several times what a computing op costs).
+`cold`: an op after its rank moved B bytes in its previous op (read and written: twice
+what it sent and received; plan_touched in proxies.core.predict) finds the interpreter's,
+mpi4py's and MPI's code and data evicted from the caches. The engine's own time for it is
+`engine` x min(1, B / moved) ** exponent longer (overhead), and a blocking exchange's or
+collective's MPI calls `latency` x the same longer (booked to the op). Not on a crowded
+node (oversubscribed.op_overhead holds it all there). Calibrate measures both after copies
+of B / 2 bytes (proxies.calibrate.cold): on the VM this was developed on, 57 - 65 us more
+of the engine's own time and 25 - 35 us more in MPI after 64 MiB, 4 us after 1 - 4 MiB.
 `engine.wake`: how much longer than asked a sleep lasts (the kernel's timer slack and the
 wake-up): a modelled or replayed compute op's, and a yielding
 wait's between its tests (waiting.py), both of which the predictor follows;
@@ -131,6 +140,12 @@ class Machine:
     # per kind of op (OVERHEAD_KINDS) where measured, else op_overhead
     op_overheads: dict[str, float] = field(default_factory=dict)
     wake: float = 0.0  # seconds a sleep (slept compute, a yielding wait's) lasts longer
+    # an op after its rank moved B bytes costs the engine cold_engine x min(1, B /
+    # cold_moved) ** cold_exponent more, its blocking MPI calls cold_latency x that
+    cold_moved: int | None = None
+    cold_engine: float = 0.0
+    cold_latency: float = 0.0
+    cold_exponent: float = 1.0
 
     def node_of(self, rank: int) -> int:
         """The node of `rank` under the default placement (consecutive blocks)."""
@@ -178,6 +193,7 @@ SECTIONS: dict[str, dict[str, str]] = {
         "collective": "time",
         "nonblocking": "time",
     },
+    "cold": {"moved": "count", "engine": "time", "latency": "time", "exponent": "factor"},
 }
 # the kinds of plan op whose engine cost a machine file may give apart (engine.<kind>)
 OVERHEAD_KINDS = ("compute", "exchange", "collective", "nonblocking")
@@ -196,6 +212,7 @@ OPTIONAL = {
     "engine.op_overhead",
     "engine.wake",
     *(f"engine.{kind}" for kind in OVERHEAD_KINDS),
+    "cold.latency",
 }
 TOP_KEYS = ("name", *SECTIONS, "mpi", "unmeasured", "calibration")
 FIGURES = tuple(f"{s}.{k}" for s, keys in SECTIONS.items() for k in keys)
@@ -397,6 +414,10 @@ def from_mapping(
         op_overhead=fig.get("engine.op_overhead") or 0.0,
         op_overheads={k: fig[f"engine.{k}"] for k in OVERHEAD_KINDS if fig.get(f"engine.{k}")},
         wake=fig.get("engine.wake") or 0.0,
+        cold_moved=int(fig["cold.moved"]) if fig.get("cold.moved") else None,
+        cold_engine=fig.get("cold.engine") or 0.0,
+        cold_latency=fig.get("cold.latency") or 0.0,
+        cold_exponent=fig.get("cold.exponent") or 1.0,
     )
 
 

@@ -79,6 +79,11 @@ def to_mapping(m: Machine) -> dict:
         engine[kind] = q(seconds, "time")
     if engine:
         out["engine"] = engine
+    if m.cold_moved:
+        cold = {"moved": q(m.cold_moved, "count"), "engine": q(m.cold_engine, "time")}
+        if m.cold_latency:  # optional; a time is positive
+            cold["latency"] = q(m.cold_latency, "time")
+        out["cold"] = {**cold, "exponent": float(m.cold_exponent)}
     if m.mpi:
         out["mpi"] = {
             kind: [["any" if s == ANY else q(s, "count"), alg] for s, alg in rows]

@@ -50,6 +50,14 @@ here: in the state where MPI's 1 MiB allreduce took 2.6 x as long on the buffer 
 previous one wrote as on a cold one, GPT-3's tensor-parallel comm-only point reduced one
 2 MiB buffer 32 times an iteration at 0.73 ms a call, against about 0.2 ms cold
 (calibrate's cold 1 and 16 MiB MPI allreduces, interpolated).
+
+Cold code: with the machine's `cold` figures, an op after its rank's last communication op
+touched B bytes (plan_touched; a non-blocking op's bytes count at its Wait; compute ops in
+between touch nothing and pay too: their code is not MPI's) costs the engine
+cold.engine x min(1, B / cold.moved) ** cold.exponent more (overhead), and a blocking
+exchange's or collective's MPI calls cold.latency x that (booked to the op, before it
+posts: it delays the op's messages). The kernels' own traffic with real compute is not
+counted (compute none and model touch nothing). predict_caches.py holds both.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ import numpy as np
 from proxies.core.faults import DELAY
 from proxies.core.network import PORT_OUT, Flow, Flows, Topology
 from proxies.core.plan import P2P, Collective, Compute, Op, Plan, Wait
+from proxies.core.predict_caches import CacheSim, reused_ops
 from proxies.core.predict_collectives import CollectiveSim, Instance
 from proxies.core.predict_waits import WaitSim
 from proxies.core.report import HIDDEN, union_seconds
@@ -73,37 +82,6 @@ from proxies.core.simulate import PlanError, op_name
 STEP_MESSAGES = 200_000  # auto: step by step while the collectives' messages stay below this
 # (plan) -> (buffer name, micro-batch) -> the buffer the runtime uses for it
 Buffers = Callable[[Plan], Callable[[object, int], object]]
-
-
-def reused_ops(plan: Plan, buffer: Callable[[object, int], object], cache: int) -> frozenset:
-    """Indices of the plan's collectives whose buffer (`buffer(name, mb)`) the rank used
-    again within `cache` bytes: the distinct bytes of its buffers that messages and
-    collectives touched since that buffer's last use, its own included (an LRU stack
-    distance). The iteration runs twice, so the first use of a buffer sees the previous
-    iteration's; compute touches nothing (none and model)."""
-    lru: dict[object, int] = {}  # buffer -> bytes last touched, oldest first
-    hot: set[int] = set()
-    for second in (False, True):
-        for i, op in enumerate(plan.ops):
-            if type(op) is Collective:
-                touched = ((buffer(op.buf, op.mb), op.nbytes),)
-            elif type(op) is P2P:
-                touched = tuple((buffer(m.buf, m.mb), m.nbytes) for m in op.sends + op.recvs)
-            else:
-                continue
-            for key, nbytes in touched:
-                if second and key in lru and type(op) is Collective:
-                    distance = max(lru[key], nbytes)
-                    for other in reversed(lru):  # newest first, down to its last use
-                        if other == key:
-                            hot.add(i)
-                            break
-                        distance += lru[other]
-                        if distance > cache:
-                            break
-                lru.pop(key, None)
-                lru[key] = nbytes
-    return frozenset(hot)
 
 
 @dataclass
@@ -139,7 +117,7 @@ class _Msg:
         self.on_done: list[Callable[[float, _Msg], None]] = []
 
 
-class _Predictor(CollectiveSim, WaitSim):
+class _Predictor(CollectiveSim, WaitSim, CacheSim):
     def __init__(
         self,
         plans: Sequence[Plan],
@@ -172,7 +150,12 @@ class _Predictor(CollectiveSim, WaitSim):
         own = topo.op_overheads()  # the engine's own seconds per op, by kind
         self.own = {Compute: own["compute"], P2P: own["exchange"], Collective: own["collective"]}
         self.own_async = own["nonblocking"]  # a non-blocking op's start, a Wait
-        self.charging = any(own.values())
+        # an op after its rank moved bulk data is cold (the machine's `cold`; not crowded)
+        m = topo.machine
+        self.cold = m.cold_moved and not topo.crowded and (m.cold_engine or m.cold_latency)
+        self.after = dict.fromkeys(self.plans, 0)  # bytes the rank's previous op touched
+        self.pending: dict[int, dict[str, int]] = {r: {} for r in self.plans}  # req -> bytes
+        self.charging = any(own.values()) or bool(self.cold)
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
         library = getattr(algorithm, "library", None)
         self.library: Callable[[str], bool] = library or (lambda kind: False)
@@ -298,6 +281,11 @@ class _Predictor(CollectiveSim, WaitSim):
                 # the engine's own time before each op (booked as the engine books it)
                 self.charged[r] = pc
                 oh = own_async if type(op) is Wait or getattr(op, "req", "") else own[type(op)]
+                if self.cold:
+                    oh, late = self._cold(r, op, oh)
+                    if late:  # a blocking op's MPI calls, cold: booked to the op
+                        book[op.category] += late
+                        t += late
                 book["overhead"] += oh
                 t += oh
             if type(op) is Compute:

@@ -192,6 +192,11 @@ def test_quick_run_on_one_node(tmp_path):
         assert kind in ("compute", "exchange", "collective", "nonblocking") and seconds > 0
         assert math.isclose(seconds, cal["engine"][kind], rel_tol=1e-3)
     assert {"exchange", "nonblocking"} <= set(m.op_overheads)  # never free: MPI calls
+    # small ops after bulk exchanges: a point per quick size; the file's figures fit them
+    cold = cal["cold"]["points"]
+    assert [b for b, _, _ in cold] == [4 << 20, 64 << 20]
+    assert m.cold_moved == 64 << 20 and m.cold_engine > 0 and 0.1 <= m.cold_exponent <= 3
+    assert "  cold        after 64 MiB moved: engine +" in r.stdout
     # a sleep lasts longer than asked (Linux's timer slack alone is 50 us by default)
     assert cal["engine"]["wake"] > 0 and math.isclose(m.wake, cal["engine"]["wake"], rel_tol=1e-3)
     if m.cores_per_node >= 2:

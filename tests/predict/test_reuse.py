@@ -117,7 +117,7 @@ def test_a_reused_buffers_mpi_collective_costs_reread_per_byte_moved_and_added()
 
 
 def test_calibrate_sets_reread_so_the_model_prices_the_measured_reused_allreduce():
-    from proxies.calibrate.main import with_reuse
+    from proxies.calibrate.caches import with_reuse
 
     m = reuse_machine(None)
     cold = collective_seconds(m, "allreduce", "mpi", 2, MIB // FLOAT, ranks_per_node=2)
@@ -182,7 +182,7 @@ def test_an_alltoall_from_a_never_written_buffer_costs_zero_pages_per_byte():
 
 
 def test_calibrate_sets_zero_pages_so_the_model_prices_the_measured_untouched_alltoall():
-    from proxies.calibrate.main import with_zero_pages
+    from proxies.calibrate.caches import with_zero_pages
 
     m = replace(machine(rpn=2, intra=10e9, lat=1e-6), memory_bandwidth=20e9)
     sizes = (32 * MIB, 64 * MIB)
