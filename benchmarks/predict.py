@@ -484,7 +484,15 @@ def machine_summary(path: str) -> tuple[str, list[str]]:
 
         parts.append(f"state: {state_text(m.calibration['state'])}")
     if m.op_overhead or m.wake:
-        parts.append(f"engine {m.op_overhead * 1e6:.3g} us/op, sleeps {m.wake * 1e6:.3g} us late")
+        kinds = "".join(f", {k} {v * 1e6:.3g}" for k, v in m.op_overheads.items())
+        parts.append(
+            f"engine {m.op_overhead * 1e6:.3g} us/op{kinds}, sleeps {m.wake * 1e6:.3g} us late"
+        )
+    if m.cold_moved:
+        parts.append(
+            f"cold after {m.cold_moved >> 20} MiB: engine +{m.cold_engine * 1e6:.3g} us, "
+            f"MPI +{m.cold_latency * 1e6:.3g} us, ^{m.cold_exponent:.3g}"
+        )
     return " · ".join(parts), m.inter is None
 
 

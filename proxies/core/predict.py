@@ -29,10 +29,12 @@ through one interface: weight 8). The images run the same ops at the same times,
 answer is the full simulation's; tests compare the two on worlds small enough for both.
 
 Breakdown per rank, adding up to the iteration (the slowest rank's finish), as the engine
-books a measured run: compute; a P2P batch's time before its last partner posted is idle,
-the rest its category; a blocking collective's category is the shortest time any member
-spent in it (the last to arrive waits least), the rest of each member's time idle; a
-non-blocking collective's or P2P batch's exposed time is its Wait, and the time it ran under
+books a measured run: compute; a blocking P2P batch's wait, receive by receive in order,
+until each message exists (its sender posted it, its latency passed and the pair's earlier
+messages moved: the engine probes for it) is idle, the rest its category; a blocking
+collective's category is the shortest time any member spent in it (the last to arrive waits
+least), the rest of each member's time idle; a non-blocking collective's or P2P batch's
+exposed time is its Wait, and the time it ran under
 other work is <category>_hidden (not part of the sum; per category the union of its ops'
 spans, as a run books it): a non-blocking batch's messages are
 posted, matched and moved as a blocking one's, but its rank computes on until the Wait;
@@ -374,8 +376,9 @@ class _Predictor(CollectiveSim, WaitSim, CacheSim):
         # messages left, when the last was matched, the last arrival, the last with holds,
         # the last receive (with holds), the last send
         state = [left, t, t, t, t, t]
+        recvs: list = [None] * len(op.recvs)  # per receive: (its bytes began to move, held)
 
-        def one_done(end: float, m: _Msg) -> None:
+        def one_done(end: float, m: _Msg, k: int = -1) -> None:
             state[0] -= 1
             state[1] = max(state[1], m.matched)
             state[2] = max(state[2], end)
@@ -387,14 +390,23 @@ class _Predictor(CollectiveSim, WaitSim, CacheSim):
             state[3] = max(state[3], held)
             if m.dst == r:
                 state[4] = max(state[4], held)
+                recvs[k] = (m.moving, held)
             else:
                 state[5] = max(state[5], end)
             if state[0] == 0:
                 end = state[3]
                 if not op.req:
                     book = self.book[r]
-                    book["idle"] += state[1] - t  # waiting for the peer to post
-                    book[op.category] += state[2] - state[1]
+                    # idle: as the engine books it, each receive's wait, in order, until its
+                    # message exists (its sender posted it and the pair's earlier messages
+                    # moved: its bytes begin to move); the rest of the transfer its category
+                    waited, cursor = 0.0, t
+                    for moving, held in recvs:
+                        waited += max(0.0, moving - cursor)
+                        cursor = max(cursor, held)
+                    waited = min(waited, state[2] - t)
+                    book["idle"] += waited
+                    book[op.category] += state[2] - t - waited
                     if state[3] > state[2]:
                         book[DELAY] += state[3] - state[2]
                     # a yielding wait sees what it waits for at its next test: the receives
@@ -404,13 +416,14 @@ class _Predictor(CollectiveSim, WaitSim, CacheSim):
                     end = max(got, self._seen(got, state[5]), state[3])
                     book["idle"] += end - state[3]
                     if self.keep_spans:
-                        self.spans[r].append((t, end, op, state[1] - t + end - state[3]))
+                        self.spans[r].append((t, end, op, waited + end - state[3]))
                 then(end)
 
         for m in op.sends:
             self._post(("p", m.tag), r, m.peer, m.nbytes, True, t, one_done, None)
-        for m in op.recvs:
-            self._post(("p", m.tag), m.peer, r, m.nbytes, False, t, one_done, None)
+        for k, m in enumerate(op.recvs):
+            done = lambda end, msg, k=k: one_done(end, msg, k)  # noqa: E731
+            self._post(("p", m.tag), m.peer, r, m.nbytes, False, t, done, None)
 
     def _post(self, tag, src, dst, nbytes: int, sending: bool, t: float, done, members, inst=None):
         """Post one side of a message on channel (tag, src, dst); k-th send meets k-th recv.

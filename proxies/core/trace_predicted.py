@@ -1,12 +1,12 @@
 """--dry-run --machine FILE --trace FILE.json: the predicted iteration as a timeline.
 
 The same format and tracks as a measured trace (trace.py), drawn from the prediction's
-per-op spans (predict.py, keep_spans): computes; point-to-point batches with their wait for
-the last partner to post (idle) nested at their start; blocking collectives with their wait
-for the group's last member nested; a non-blocking collective's or P2P batch's time in
-flight as an async span and its Wait as a slice; after its last op, each rank's wait for
-the slowest. Self times per category are the predicted breakdown (a --slow-link hold stays
-inside its batch).
+per-op spans (predict.py, keep_spans): computes; point-to-point batches with their waits for
+their messages to exist (idle, together) nested at their start; blocking collectives with
+their wait for the group's last member nested; a non-blocking collective's or P2P batch's
+time in flight as an async span and its Wait as a slice; after its last op, each rank's wait
+for the slowest. Self times per category are the predicted breakdown (a --slow-link hold
+stays inside its batch).
 
 Which ranks: --trace-ranks (world ranks), else the simulated ranks up to trace.MAX_RANKS.
 Where the prediction folds identical ranks (predict.py), a rank that was not simulated is
@@ -94,7 +94,8 @@ def _track(job, pred: Prediction, rank: int, src: int) -> dict:
                 tr.slice(thread, f"wait {name}", op.category, us(t0), us(t1), **args)
         elif isinstance(op, P2P):
             mine = next(batches)
-            wait = [(us(t0), us(t0 + idle), "the last partner")] if idle > 0 else []
+            senders = ",".join(dict.fromkeys(str(m.peer) for m in mine.recvs))
+            wait = [(us(t0), us(t0 + idle), senders)] if idle > 0 else []
             tr.p2p(mine, us(t0), us(t1), wait)
             nudge = min((t1 - t0) / 2, 1e-9)  # strictly inside the batch's slice
             for m in mine.sends:

@@ -111,7 +111,9 @@ def test_prediction_falls_as_bandwidth_rises():
 
 
 def test_breakdown_adds_up_with_compute_and_waiting():
-    """Rank 1 computes 1 s before sending: rank 0 is idle 1 s, then both move the bytes."""
+    """Rank 1 computes 1 s before sending: rank 0 is idle until the message exists (1 s and
+    its latency: the engine's probe returns then), then both move the bytes; the sender,
+    which receives nothing, books no idle (the engine's Isend and Wait are its category)."""
     count = 1_250_000 // 4  # 10 ms at 1 Gb/s
     plans = [
         Plan(0, (P2P("recv", recvs=(Msg(1, 0, "x", 0, count),)),)),
@@ -121,8 +123,36 @@ def test_breakdown_adds_up_with_compute_and_waiting():
     assert p.time == pytest.approx(1.0 + 1e-5 + 0.01)
     for r in (0, 1):
         assert sum(p.breakdown[r].values()) == pytest.approx(p.time)
-    assert p.breakdown[0]["idle"] == pytest.approx(1.0)
-    assert p.breakdown[1]["compute"] == 1.0
+    assert p.breakdown[0]["idle"] == pytest.approx(1.0 + 1e-5)
+    assert p.breakdown[0]["pp"] == pytest.approx(0.01)
+    assert p.breakdown[1]["compute"] == 1.0 and p.breakdown[1].get("idle", 0.0) == 0.0
+
+
+def test_a_message_behind_its_pairs_earlier_one_is_waited_for_as_idle():
+    """A small exchange posted right after a large non-blocking send on the same pair: the
+    engine's probe for the small message returns only once it exists, after the large one
+    moved (its latency and 1 ms), so the receiver books that wait idle and the transfer
+    (microseconds) to the exchange; the other side waits only for its message's latency, and
+    its category holds its own small send, which left behind the large one."""
+    big, lat = 1_000_000, 1e-5  # 1 ms at 1 GB/s
+
+    def side(me, peer):
+        big_op = (P2P("big", sends=(Msg(peer, 0, "a", 0, big // 4),), req="q") if me == 0
+                  else P2P("big", recvs=(Msg(peer, 0, "a", 0, big // 4),), req="q"))  # fmt: skip
+        small = P2P("small", sends=(Msg(peer, 1 + me, "s", 0, 1),),
+                    recvs=(Msg(peer, 2 - me, "r", 0, 1),), category="halo")  # fmt: skip
+        return Plan(me, (big_op, small, Wait("q")))
+
+    p = _predict([side(0, 1), side(1, 0)], machine(rpn=2, intra=1e9, lat=lat))
+    b0, b1 = p.breakdown[0], p.breakdown[1]
+    assert b1["idle"] == pytest.approx(lat + 1e-3, rel=1e-3)  # behind the big message
+    assert b1["halo"] == pytest.approx(4 / 1e9, rel=1e-3)  # its own 4 bytes
+    assert b0["idle"] == pytest.approx(lat)  # rank 1's message: nothing before it
+    assert b0["halo"] == pytest.approx(1e-3 + 4 / 1e9 - 0.0, rel=1e-3)  # its send, behind
+    for r in (0, 1):
+        assert sum(v for k, v in p.breakdown[r].items() if not k.endswith("_hidden")) == (
+            pytest.approx(p.time)
+        )
 
 
 # -- one pair's messages move in order -----------------------------------------------------------
