@@ -1,7 +1,8 @@
 """The machine file's `cold` figures: what an op costs after its rank moved bulk data.
-Validated and written back; priced by the predictor as hand arithmetic says (the engine's
-share as overhead, MPI's on blocking ops to their category, compute ops transparent,
-non-blocking bytes at their Wait, nothing on a crowded node); fitted by calibrate."""
+Written back (its bad values are test_regimes.py's); priced by the predictor as hand
+arithmetic says (the engine's share as overhead, MPI's on blocking ops to their category,
+compute ops transparent, non-blocking bytes at their Wait, nothing on a crowded node);
+fitted by calibrate."""
 
 import copy
 import math
@@ -10,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from proxies.calibrate.caches import fit_cold, with_cold
-from proxies.core.machine import MachineError, load
+from proxies.core.machine import load
 from proxies.core.machine_file import dumps
 from proxies.core.mpi_choice import chooser
 from proxies.core.network import Topology
@@ -40,33 +41,6 @@ def test_cold_loads_round_trips_and_latency_is_optional(tmp_path):
     assert m.cold_latency == 0.0 and "latency" not in dumps(m).split("cold:")[1].split("\n\n")[0]
     assert load(write(tmp_path, dumps(m), "less2.yaml")).cold_latency == 0.0
     assert load(write(tmp_path, BASE, "base.yaml")).cold_moved is None
-
-
-ERRORS = [
-    ("cold.engine", None, ["missing"]),
-    ("cold.moved", "-4 MiB", ["not a positive"]),
-    ("cold.moved", "10 us", ["expected a size"]),
-    ("cold.exponent", 0, ["a plain number > 0"]),
-    ("cold.latency", "4 GB/s", ["expected a time"]),
-    ("cold.latncy", "1 us", ["unknown key", "did you mean 'latency'?"]),
-]
-
-
-@pytest.mark.parametrize("key,value,words", ERRORS, ids=[f"{e[0]}={e[1]}" for e in ERRORS])
-def test_bad_cold_values_are_one_line_naming_file_and_key(tmp_path, key, value, words):
-    data = copy.deepcopy(COLD)
-    section, k = key.split(".")
-    if value is None:
-        del data[section][k]
-    else:
-        data[section][k] = value
-    path = write(tmp_path, data)
-    with pytest.raises(MachineError) as e:
-        load(path)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"{path}: {key}: "), msg
-    for w in words:
-        assert w in msg, msg
 
 
 def test_touched_bytes_are_twice_what_an_op_sends_and_receives():

@@ -1,6 +1,7 @@
 """The machine file's regimes and engine costs: `oversubscribed` (ranks outnumbering cores),
-`fresh_memory` (MPI's temporaries faulted in) and `engine.op_overhead`; validated, written
-back, and priced by the predictor as hand arithmetic says."""
+`fresh_memory` (MPI's temporaries faulted in), `engine.op_overhead` and `cold` (its pricing
+in test_cold.py); validated, written back, and priced by the predictor as hand arithmetic
+says."""
 
 import copy
 import math
@@ -30,6 +31,7 @@ FULL = copy.deepcopy(BASE) | {
     },
     "fresh_memory": {"above": "32 MiB", "rate": "2 GB/s"},
     "engine": {"op_overhead": "2 us", "exchange": "5 us", "nonblocking": "9 us"},
+    "cold": {"moved": "64 MiB", "engine": "50 us", "latency": "20 us", "exponent": 0.5},
 }
 
 
@@ -70,6 +72,12 @@ ERRORS = [
     ("engine.exchange", "-3 us", ["not a positive"]),
     ("engine.nonblocking", "4 GB/s", ["expected a time"]),
     ("engine.colective", "1 us", ["unknown key", "did you mean 'collective'?"]),
+    ("cold.engine", None, ["missing"]),
+    ("cold.moved", "-4 MiB", ["not a positive"]),
+    ("cold.moved", "10 us", ["expected a size"]),
+    ("cold.exponent", 0, ["a plain number > 0"]),
+    ("cold.latency", "4 GB/s", ["expected a time"]),
+    ("cold.latncy", "1 us", ["unknown key", "did you mean 'latency'?"]),
 ]
 
 
