@@ -46,14 +46,15 @@ point-to-point batch), `.collective` (a blocking collective) and `.nonblocking` 
 non-blocking op's start, and its Wait, each) replace it for their kind of op where given
 (calibrate measures each: a non-blocking op's start and Wait hand the interpreter to and
 from the progress thread, several times what a computing op costs).
-`cold`: an op after its rank moved B bytes in its previous op (read and written: twice
-what it sent and received; plan_touched in proxies.core.predict) finds the interpreter's,
-mpi4py's and MPI's code and data evicted from the caches. The engine's own time for it is
-`engine` x min(1, B / moved) ** exponent longer (overhead), and a blocking exchange's or
-collective's MPI calls `latency` x the same longer (booked to the op). Not on a crowded
-node (oversubscribed.op_overhead holds it all there). Calibrate measures both after copies
-of B / 2 bytes (proxies.calibrate.cold): on the VM this was developed on, 57 - 65 us more
-of the engine's own time and 25 - 35 us more in MPI after 64 MiB, 4 us after 1 - 4 MiB.
+`cold`: after a communication op that touched B bytes on its rank (read and written: twice
+what it sent and received; plan_touched in proxies.core.predict_caches) the interpreter's,
+mpi4py's and MPI's code and data are out of the caches. Every op up to and including the
+next communication op (a non-blocking op's bytes count at its Wait, which pays them) costs
+the engine `engine` x min(1, B / moved) ** exponent more (overhead), and a blocking
+exchange's or collective's MPI calls `latency` x the same (booked to the op). Not on a
+crowded node (oversubscribed.op_overhead holds it all there). Calibrate measures both
+after bulk exchanges (proxies.calibrate.caches): on the VM this was developed on, 2 ranks,
++34 .. +50 us of the engine's own time and +9 .. +25 us in MPI after 64 MiB.
 `engine.wake`: how much longer than asked a sleep lasts (the kernel's timer slack and the
 wake-up): a modelled or replayed compute op's, and a yielding
 wait's between its tests (waiting.py), both of which the predictor follows;

@@ -54,12 +54,12 @@ previous one wrote as on a cold one, GPT-3's tensor-parallel comm-only point red
 (calibrate's cold 1 and 16 MiB MPI allreduces, interpolated).
 
 Cold code: with the machine's `cold` figures, an op after its rank's last communication op
-touched B bytes (plan_touched; a non-blocking op's bytes count at its Wait; compute ops in
-between touch nothing and pay too: their code is not MPI's) costs the engine
+touched B bytes (plan_touched; a non-blocking op's bytes count at its Wait, which pays them;
+compute ops in between touch nothing and pay too: their code is not MPI's) costs the engine
 cold.engine x min(1, B / cold.moved) ** cold.exponent more (overhead), and a blocking
-exchange's or collective's MPI calls cold.latency x that (booked to the op, before it
-posts: it delays the op's messages). The kernels' own traffic with real compute is not
-counted (compute none and model touch nothing). predict_caches.py holds both.
+exchange's or collective's MPI calls cold.latency x that (booked to the op, before it posts:
+it delays the op's messages). The kernels' own traffic with real compute is not counted
+(compute none and model touch nothing). predict_caches.py holds both.
 """
 
 from __future__ import annotations

@@ -62,19 +62,20 @@ class CacheSim:
     def _cold(self, r: int, op: Op, oh: float) -> tuple[float, float]:
         """(the engine's own seconds for `op`, its blocking MPI calls' extra seconds) after
         the bytes its rank's last communication op touched (a compute op touches nothing
-        here and brings no code back for the next one: both pay); notes what this one
+        here and brings no code back for the next one: both pay; a Wait comes after the
+        bytes of the op it waits for, moved while it was in flight); notes what this one
         touches."""
         m = self.topo.machine
-        f = min(1.0, self.after[r] / m.cold_moved) ** m.cold_exponent if self.after[r] else 0.0
+        if type(op) is Wait:  # its op's data moved before it: it runs cold, and after it
+            self.after[r] = max(self.after[r], self.pending[r].pop(op.req, 0))
+        b = self.after[r]
+        f = min(1.0, b / m.cold_moved) ** m.cold_exponent if b else 0.0
         if type(op) is Compute:
             return oh + m.cold_engine * f, 0.0
-        touched = 0
-        if type(op) is Wait:
-            touched = self.pending[r].pop(op.req, 0)
-        else:
+        if type(op) is not Wait:
             touched = plan_touched(op, self.plans[r].groups)
-            if op.req:  # moved while in flight: its Wait is the op after it
+            if op.req:  # moved while in flight: counted at its Wait
                 self.pending[r][op.req], touched = touched, 0
-        self.after[r] = touched
+            self.after[r] = touched
         blocking = type(op) is not Wait and not op.req
         return oh + m.cold_engine * f, m.cold_latency * f if blocking else 0.0

@@ -1,8 +1,8 @@
 """The machine file's `cold` figures: what an op costs after its rank moved bulk data.
 Written back (its bad values are test_regimes.py's); priced by the predictor as hand
 arithmetic says (the engine's share as overhead, MPI's on blocking ops to their category,
-compute ops transparent, non-blocking bytes at their Wait, nothing on a crowded node);
-fitted by calibrate."""
+compute ops transparent, non-blocking bytes at their Wait, which pays them, nothing on a
+crowded node); fitted by calibrate."""
 
 import copy
 import math
@@ -111,16 +111,18 @@ def test_a_nonblocking_ops_bytes_count_at_its_wait_and_its_calls_pay_no_latency(
         P2P("bulk", sends=(Msg(1, 0, "a", 0, MIB),), recvs=(Msg(1, 0, "b", 0, MIB),)),
         Collective("allreduce", "w", "g", count, req="q"),  # after 16 MiB: engine only
         Compute("forward"),  # the start touched nothing yet: warm
-        Wait("q"),  # warm
-        Compute("optimizer"),  # after the allreduce's 16 MiB
+        Wait("q"),  # its allreduce's 16 MiB moved while in flight: cold, engine only
+        Compute("optimizer"),  # after them too
     )
     plans = pair(ops)
     base, pred = run(m, plans), run(cold(m), plans)
     f = (16 * MIB / (64 * MIB)) ** 0.5
     for r in (0, 1):
-        assert math.isclose(pred.breakdown[r]["overhead"], 50e-6 * 2 * f, rel_tol=1e-9)
+        assert math.isclose(pred.breakdown[r]["overhead"], 50e-6 * 3 * f, rel_tol=1e-9)
         for cat, seconds in base.breakdown[r].items():
-            if cat not in ("overhead", "idle"):
+            if cat == "w_allreduce":  # its Wait starts later, so it blocks less, not more
+                assert pred.breakdown[r][cat] <= seconds
+            elif cat not in ("overhead", "idle"):
                 assert math.isclose(pred.breakdown[r][cat], seconds, rel_tol=1e-9), cat
 
 
