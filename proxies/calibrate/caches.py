@@ -32,7 +32,13 @@ import statistics
 
 import numpy as np
 
-from proxies.calibrate.measure import cache_share, sig
+from proxies.calibrate.measure import (
+    TinyRuntime,
+    cache_share,
+    engine_iterations,
+    neighbours,
+    sig,
+)
 from proxies.core.machine import Machine
 
 # B, bytes an exchange reads and writes on each rank (B / 4 sent, as much received)
@@ -40,59 +46,37 @@ SIZES = (4 << 20, 16 << 20, 64 << 20)
 QUICK_SIZES = (4 << 20, 64 << 20)
 
 
-class _BulkRuntime:
-    """1-element buffers ("x" sent, "r" received) and the bulk exchange's pair ("bs" sent,
-    "br" received) of `count` float32 each; no compute."""
+class _BulkRuntime(TinyRuntime):
+    """TinyRuntime's 1-element buffers ("r" received, "x" sent) and the bulk exchange's
+    pair ("bs" sent, "br" received) of `count` float32 each."""
 
     def __init__(self, count: int) -> None:
         from proxies.core import pages
 
-        self.bufs = {name: np.zeros(1, dtype=np.float32) for name in ("x", "r")}
-        for name in ("bs", "br"):
-            self.bufs[name] = pages.zeros(count, np.float32)
-            self.bufs[name][...] = 1.0  # touched: the run's buffers are
+        super().__init__()
+        self.bulk = {name: pages.zeros(count, np.float32) for name in ("bs", "br")}
+        for buf in self.bulk.values():
+            buf[...] = 1.0  # touched: the run's buffers are
 
     def buffer(self, name: str, mb: int, chunk: int) -> np.ndarray:
-        return self.bufs[name]
-
-    def compute(self, op, iteration: int) -> None:
-        pass
-
-    def finish_iteration(self, iteration: int) -> tuple[float, int]:
-        return 0.0, 0
+        return self.bulk[name] if name in self.bulk else super().buffer(name, mb, chunk)
 
 
 def _cycles(comm, MPI, count: int, cycles: int, iters: int) -> tuple[float, float]:
     """(engine's own seconds per cycle, the small exchange's booked seconds per op), medians
     over `iters` iterations after one warm-up, per rank; the first exchange of each cycle
     moves `count` float32 each way (B = 16 x count bytes touched)."""
-    from proxies.core.engine import Engine
-    from proxies.core.mpi import Watchdog
-    from proxies.core.plan import P2P, Msg, Plan
+    from proxies.core.plan import P2P, Msg
 
-    n, r = comm.size, comm.rank
-    world = comm.allgather(MPI.COMM_WORLD.rank)  # the engine's messages name world ranks
-    ahead, behind = world[(r + 1) % n], world[(r - 1) % n]
+    ahead, behind = neighbours(comm, MPI)
     small = P2P(
         "x", sends=(Msg(ahead, 7, "x", 0, 1),), recvs=(Msg(behind, 7, "r", 0, 1),), category="small"
     )
     bulk = P2P("b", sends=(Msg(ahead, 8, "bs", 0, count),), recvs=(Msg(behind, 8, "br", 0, count),))
-    plan = Plan(r, (bulk, small) * cycles, {"world": tuple(range(n))})
-    watchdog = Watchdog(comm, "calibrate", 0)  # its texts as a run has them; no thread
-    engine = Engine(
-        MPI, plan, _BulkRuntime(count), {"world": comm}, mode="real", wait="spin",
-        watchdog=watchdog,
-    )  # fmt: skip
-    own, booked = [], []
-    try:
-        for i in range(1 + iters):
-            comm.Barrier()
-            t = engine.run_iteration(i)
-            if i:
-                own.append((t.total - t.booked()) / cycles)
-                booked.append(t.seconds.get("small", 0.0) / cycles)
-    finally:
-        engine.close()
+    ops = (bulk, small) * cycles
+    times = engine_iterations(comm, MPI, ops, _BulkRuntime(count), iters, "spin", "real")
+    own = [(t.total - t.booked()) / cycles for t in times]
+    booked = [t.seconds.get("small", 0.0) / cycles for t in times]
     return statistics.median(own), statistics.median(booked)
 
 

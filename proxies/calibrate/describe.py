@@ -115,13 +115,14 @@ def comments(m: Machine, topo: Topology, quick: bool) -> dict[str, str]:
         )
     if m.cold_moved:
         out["cold"] = (
-            "cycles of a compute op and a blocking 1-element exchange with the neighbouring "
-            "ranks through the real engine, the compute ops copying B / 2 bytes (B read and "
-            "written) or doing nothing, each ending in a barrier; per B (calibration.cold."
-            "points: B, engine, latency), the engine's own seconds per cycle and the "
-            "exchange's booked seconds, cold less warm, the slowest rank's median. Fitted "
-            "as figure x (B / moved) ** exponent, held beyond moved: the predictor charges "
-            "it on every op after one that touched B bytes (twice what it sent and received)"
+            "cycles of two blocking exchanges with the neighbouring ranks through the real "
+            "engine, the first moving B / 4 bytes each way (B read and written) or 1 element, "
+            "the second 1 element; per B (calibration.cold.points: B, engine, latency), the "
+            "engine's own seconds per cycle and the second exchange's booked seconds, bulk "
+            "less small, the slowest rank's median. Fitted as figure x (B / moved) ** "
+            "exponent, held beyond moved: the predictor charges it on every op after a "
+            "communication op that touched B bytes (twice what it sent and received), up to "
+            "the next one"
         )
     if m.inter is not None:
         out["inter_node"] = fit.format("inter_node")

@@ -466,7 +466,7 @@ def sleep_overshoot(comm, MPI, reps: int) -> float:
 # -- the engine's own cost per op --------------------------------------------------------------
 
 
-class _TinyRuntime:
+class TinyRuntime:
     """A runtime of 1-element buffers ("r" receives, any other name sends or reduces) and
     no compute: only the engine's own work."""
 
@@ -498,7 +498,6 @@ def engine_overhead(comm, MPI, ops: int, iters: int, wait: str, kinds: bool = Fa
     waited for at once (the start and the Wait each an op)."""
     from proxies.core.plan import P2P, Collective, Compute, Msg, Wait
 
-    n, r = comm.size, comm.rank
     cycle = (
         Collective("allreduce", "world", "x", 1, req="q"),
         Compute("forward"),
@@ -509,8 +508,8 @@ def engine_overhead(comm, MPI, ops: int, iters: int, wait: str, kinds: bool = Fa
     mixed = _own_per_op(comm, MPI, cycle * max(1, ops // 5), iters, wait)
     if not kinds:
         return mixed, {}
-    world = comm.allgather(MPI.COMM_WORLD.rank)  # the engine's messages name world ranks
-    to, back = Msg(world[(r + 1) % n], 7, "x", 0, 1), Msg(world[(r - 1) % n], 7, "r", 0, 1)
+    ahead, behind = neighbours(comm, MPI)
+    to, back = Msg(ahead, 7, "x", 0, 1), Msg(behind, 7, "r", 0, 1)
     batch = P2P("x", sends=(to,), recvs=(back,))
     plans = {
         "compute": (Compute("forward"),) * ops,
@@ -522,23 +521,37 @@ def engine_overhead(comm, MPI, ops: int, iters: int, wait: str, kinds: bool = Fa
     return mixed, {kind: _own_per_op(comm, MPI, p, iters, wait) for kind, p in plans.items()}
 
 
-def _own_per_op(comm, MPI, ops: tuple, iters: int, wait: str) -> float:
+def neighbours(comm, MPI) -> tuple[int, int]:
+    """The world ranks of this rank's next and previous rank in `comm` (collective): the
+    engine's messages name world ranks, so a plan on a split communicator needs them."""
+    world = comm.allgather(MPI.COMM_WORLD.rank)
+    return world[(comm.rank + 1) % comm.size], world[(comm.rank - 1) % comm.size]
+
+
+def engine_iterations(comm, MPI, ops: tuple, runtime, iters: int, wait: str, mode: str):
+    """`ops` as this rank's plan over group "world" (all of `comm`), run through the real
+    engine with the watchdog's bookkeeping (its texts, no timer): one warm-up and `iters`
+    timed iterations, each after a barrier. Returns the timed iterations' IterationTimes."""
     from proxies.core.engine import Engine
     from proxies.core.mpi import Watchdog
     from proxies.core.plan import Plan
 
     plan = Plan(comm.rank, ops, {"world": tuple(range(comm.size))})
     watchdog = Watchdog(comm, "calibrate", 0)  # its texts as a run has them; no thread
-    engine = Engine(
-        MPI, plan, _TinyRuntime(), {"world": comm}, mode="model", wait=wait, watchdog=watchdog
-    )
-    per_op = []
+    engine = Engine(MPI, plan, runtime, {"world": comm}, mode=mode, wait=wait, watchdog=watchdog)
+    times = []
     try:
         for i in range(1 + iters):
             comm.Barrier()
             t = engine.run_iteration(i)
             if i:
-                per_op.append((t.total - t.booked()) / len(plan.ops))
+                times.append(t)
     finally:
         engine.close()
+    return times
+
+
+def _own_per_op(comm, MPI, ops: tuple, iters: int, wait: str) -> float:
+    times = engine_iterations(comm, MPI, ops, TinyRuntime(), iters, wait, "model")
+    per_op = [(t.total - t.booked()) / len(ops) for t in times]
     return comm.allreduce(max(0.0, statistics.median(per_op)), op=MPI.MAX)

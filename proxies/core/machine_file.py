@@ -9,10 +9,18 @@ import textwrap
 
 import yaml
 
-from proxies.core.machine import ANY, Machine
+from proxies.core.machine import ANY, Level, Machine
 from proxies.core.units import format_quantity
 
 __all__ = ["dump", "dumps", "to_mapping"]
+
+
+def _level(level: Level) -> dict:
+    """A level's latency and bandwidth, as text with units."""
+    return {
+        "latency": format_quantity(level.latency, "time"),
+        "bandwidth": format_quantity(level.bandwidth, "bandwidth"),
+    }
 
 
 def to_mapping(m: Machine) -> dict:
@@ -20,17 +28,11 @@ def to_mapping(m: Machine) -> dict:
     q = format_quantity
     out: dict = {"name": m.name}
     out["nodes"] = {"ranks_per_node": m.ranks_per_node, "cores_per_node": m.cores_per_node}
-    out["intra_node"] = {
-        "latency": q(m.intra.latency, "time"),
-        "bandwidth": q(m.intra.bandwidth, "bandwidth"),
-    }
+    out["intra_node"] = _level(m.intra)
     if m.node_bandwidth is not None:
         out["intra_node"]["node_bandwidth"] = q(m.node_bandwidth, "bandwidth")
     if m.inter is not None:
-        out["inter_node"] = {
-            "latency": q(m.inter.latency, "time"),
-            "bandwidth": q(m.inter.bandwidth, "bandwidth"),
-        }
+        out["inter_node"] = _level(m.inter)
         if m.nic_bandwidth is not None:
             out["inter_node"]["nic_bandwidth"] = q(m.nic_bandwidth, "bandwidth")
     if m.switch_nodes is not None:
@@ -46,10 +48,7 @@ def to_mapping(m: Machine) -> dict:
     }
     out["compute"] = {k: q(v, kind) for k, (v, kind) in compute.items() if v is not None}
     if m.oversub is not None:
-        over = {
-            "latency": q(m.oversub.latency, "time"),
-            "bandwidth": q(m.oversub.bandwidth, "bandwidth"),
-        }
+        over = _level(m.oversub)
         if m.oversub_node_bandwidth is not None:
             over["node_bandwidth"] = q(m.oversub_node_bandwidth, "bandwidth")
         if m.oversub_op_overhead is not None:

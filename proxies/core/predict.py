@@ -155,7 +155,7 @@ class _Predictor(CollectiveSim, WaitSim, CacheSim):
         # an op after its rank moved bulk data is cold (the machine's `cold`; not crowded)
         m = topo.machine
         self.cold = m.cold_moved and not topo.crowded and (m.cold_engine or m.cold_latency)
-        self.after = dict.fromkeys(self.plans, 0)  # bytes the rank's previous op touched
+        self.after = dict.fromkeys(self.plans, 0)  # bytes its last communication op touched
         self.pending: dict[int, dict[str, int]] = {r: {} for r in self.plans}  # req -> bytes
         self.charging = any(own.values()) or bool(self.cold)
         self.charged = dict.fromkeys(self.plans, -1)  # the last op charged its overhead
